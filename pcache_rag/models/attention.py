@@ -1,0 +1,48 @@
+"""``pcache_sdpa``: scaled-dot-product attention over a long cache without repeating keys.
+
+Stock sdpa with an explicit mask repeats every key/value head ``n_heads /
+n_kv_heads`` times before attending (``repeat_kv``), which on the cached path
+copies the whole assembled cache each layer. Here the query heads of one group
+are folded into the query length instead: ``(B, H, q, D) -> (B, H_kv, G*q, D)``,
+so keys and values are read in place. Results equal stock sdpa; with no mask
+and a square query it is plain causal attention (what full prefill uses).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+NAME = "pcache_sdpa"
+
+
+def pcache_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, H, q, D)
+    key: torch.Tensor,  # (B, H_kv, kv, D)
+    value: torch.Tensor,  # (B, H_kv, kv, Dv)
+    attention_mask: torch.Tensor | None,  # (B, 1, q, kv) bool, True = attend; or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    B, H, q, D = query.shape
+    Hkv, kv = key.shape[1], key.shape[2]
+    G = H // Hkv
+    if attention_mask is None:
+        if q > 1 and q != kv:
+            raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys needs an explicit mask")
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=q > 1, scale=scaling, enable_gqa=G > 1
+        )  # (B, H, q, Dv)
+        return out.transpose(1, 2).contiguous(), None
+    if G > 1:
+        query = query.reshape(B, Hkv, G * q, D)  # rows ordered (group member, token)
+        attention_mask = attention_mask.repeat(1, 1, G, 1)  # (B, 1, G*q, kv)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    out = out.reshape(B, H, q, -1)  # (B, H, q, Dv)
+    return out.transpose(1, 2).contiguous(), None  # (B, q, H, Dv)
+
+
+AttentionInterface.register(NAME, pcache_sdpa)

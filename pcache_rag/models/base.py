@@ -1,0 +1,153 @@
+"""The shared base of the family adapters, and the choice of adapter for a model.
+
+An adapter runs one forward pass of a *stock* transformers model with explicit
+position ids and an explicit ``allowed`` matrix (which query attends to which
+key), over a cache. Families differ only in how positions reach the model
+(``position_ids`` for RoPE and learned tables, a bias for ALiBi) and in the
+mask format their attention code expects; that is all a subclass overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import attention
+
+
+@dataclass(slots=True, frozen=True)
+class KVShape:
+    """The geometry of one token's cached states."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int  # key head size
+    head_dim_v: int  # value head size
+
+    def bytes_per_token(self, element_size: int) -> int:
+        return self.n_layers * self.n_kv_heads * (self.head_dim + self.head_dim_v) * element_size
+
+
+class UnsupportedModelError(ValueError):
+    """The model's positional encoding or attention is not one pcache-rag can cache exactly."""
+
+
+class Adapter:
+    """Base adapter. Subclasses set ``family`` and override what differs."""
+
+    family = "base"
+    #: whether cached keys can be moved to other positions by rotation (RoPE)
+    rerotatable = False
+    #: mask format: "bool" (True = attend), "additive" (0 / -inf) or "bool_inverted" (True = masked)
+    mask_format = "bool"
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.max_positions = self._max_positions()
+        self.kv_shape = self._kv_shape()
+
+    # -- facts about the model -------------------------------------------------
+
+    def _max_positions(self) -> int:
+        c = self.config
+        for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            v = getattr(c, name, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return 1 << 20  # ALiBi models have no hard limit
+
+    def _kv_shape(self) -> KVShape:
+        c = self.config
+        n_heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None) or getattr(c, "n_heads")
+        n_kv = getattr(c, "num_key_value_heads", None) or n_heads
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or getattr(c, "d_model")
+        head_dim = getattr(c, "head_dim", None) or hidden // n_heads
+        n_layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or getattr(c, "n_layers")
+        return KVShape(n_layers, n_kv, head_dim, head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # -- masks -----------------------------------------------------------------
+
+    def mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` (q, kv) bool -> the 4-D mask this family's attention reads."""
+        m = allowed[None, None]  # (1, 1, q, kv)
+        if self.mask_format == "bool":
+            return m
+        if self.mask_format == "bool_inverted":
+            return ~m
+        neg = torch.finfo(self.dtype).min
+        return torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, neg)
+
+    # -- the forward pass --------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (q,)
+        position_ids: torch.Tensor,  # (q,)
+        cache,  # a transformers Cache holding the kv states before these tokens
+        allowed: torch.Tensor | None,  # (q, kv_total) bool, or None for plain causal over a fresh cache
+        key_positions: torch.Tensor | None,  # (kv_total,) position of every key (ALiBi needs it)
+        logits_to_keep: int = 1,
+    ) -> torch.Tensor:
+        """Run the model; returns logits ``(logits_to_keep, vocab)``; fills ``cache``."""
+        mask = None if allowed is None else self.mask(allowed)
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits[0]
+
+
+def _has_sliding_window(config) -> bool:
+    types = getattr(config, "layer_types", None)
+    if types and any("sliding" in str(t) for t in types):
+        return True
+    sw = getattr(config, "sliding_window", None)
+    if sw and getattr(config, "use_sliding_window", True):
+        return True
+    return False
+
+
+def adapter_for(model) -> Adapter:
+    """Pick the adapter for ``model`` by its positional encoding, or refuse clearly."""
+    from .alibi import AlibiAdapter
+    from .learned import LearnedAdapter
+    from .rope import RopeAdapter
+
+    c = model.config
+    mt = getattr(c, "model_type", "?")
+    if _has_sliding_window(c):
+        raise UnsupportedModelError(
+            f"{mt}: sliding-window attention layers are not supported (cached modules would be attended "
+            "beyond the window). If every prompt fits in the window, load the model with "
+            "sliding_window=None / use_sliding_window=False."
+        )
+    for cls in (RopeAdapter, LearnedAdapter, AlibiAdapter):
+        if cls.matches(model):
+            return cls(model)
+    raise UnsupportedModelError(
+        f"model type {mt!r} is not supported. pcache-rag supports rotary position models (Llama, Qwen2, "
+        "Mistral, ...), learned absolute positions (GPT-2) and ALiBi (BLOOM, MPT)."
+    )
+
+
+def use_fast_attention(model) -> bool:
+    """Switch a model whose attention goes through transformers' interface to ``pcache_sdpa``."""
+    try:
+        model.set_attn_implementation(attention.NAME)
+    except Exception:  # noqa: BLE001 - older/odd models: set the config directly
+        model.config._attn_implementation = attention.NAME
+    return model.config._attn_implementation == attention.NAME

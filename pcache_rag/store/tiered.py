@@ -1,0 +1,106 @@
+"""The tiered store: device > host > disk, reads promote, evictions demote, prefetch in the background.
+
+``put`` writes to the fastest tier and, when there is a disk tier, through to
+disk as well, so a new process finds every module (persistence). Entries
+evicted from a memory tier move to the next tier down (skipped when that tier
+already holds them). ``get`` searches fastest first and promotes a hit to the
+fastest tier. ``prefetch(keys)`` does the same on a background thread, so a
+retriever can start moving states as soon as it knows the handles.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..kv import ModuleKV
+from .base import KVStore, TierStats
+from .disk import DiskTier
+
+
+class TieredStore(KVStore):
+    name = "tiered"
+
+    def __init__(self, tiers: list[KVStore]):
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers = list(tiers)
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def disk(self) -> DiskTier | None:
+        last = self.tiers[-1]
+        return last if isinstance(last, DiskTier) else None
+
+    def contains(self, key: str) -> bool:
+        return any(t.contains(key) for t in self.tiers)
+
+    def where(self, key: str) -> str | None:
+        """Name of the fastest tier holding ``key``."""
+        return next((t.name for t in self.tiers if t.contains(key)), None)
+
+    def get(self, key: str) -> ModuleKV | None:
+        with self._lock:
+            for i, t in enumerate(self.tiers):
+                if not t.contains(key):
+                    continue
+                kv = t.get(key)
+                if kv is None:  # damaged, dropped by the tier
+                    continue
+                if i > 0:
+                    self._put_from(0, key, kv)
+                return kv
+            return None
+
+    def _put_from(self, level: int, key: str, kv: ModuleKV) -> None:
+        """Put into tier ``level``; what it evicts cascades to the tiers below."""
+        pending = [(key, kv)]
+        for j in range(level, len(self.tiers)):
+            tier = self.tiers[j]
+            nxt = []
+            for k, v in pending:
+                if j > level and tier.contains(k):
+                    continue  # already there: nothing to demote
+                nxt.extend(tier.put(k, v))
+            pending = nxt
+            if not pending:
+                return
+
+    def put(self, key: str, kv: ModuleKV) -> list[tuple[str, ModuleKV]]:
+        with self._lock:
+            self._put_from(0, key, kv)
+            disk = self.disk
+            if disk is not None and len(self.tiers) > 1 and not disk.contains(key):
+                disk.put(key, kv)  # write-through: persistence across processes
+        return []
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            return any([t.remove(key) for t in self.tiers])
+
+    def prefetch(self, keys: list[str]) -> Future:
+        """Promote ``keys`` to the fastest tier on a background thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pcache-prefetch")
+        return self._pool.submit(lambda: [self.get(k) is not None for k in keys])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for t in self.tiers:
+            t.close()
+
+    def stats(self) -> TierStats:
+        total = TierStats()
+        for t in self.tiers:
+            s = t.stats()
+            total.hits += s.hits
+            total.misses += s.misses
+            total.bytes += s.bytes
+            total.entries += s.entries
+        return total
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        return {t.name: t.stats() for t in self.tiers}

@@ -1,0 +1,113 @@
+"""Test helpers: tiny random models of every positional-encoding family, and an
+independent reference (one full forward with the mask docs/pml.md defines)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers as tf
+
+
+def tiny_model(family: str, vocab: int, seed: int = 0):
+    """A small random float32 model; no download."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab)
+    if family == "llama":
+        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=1024, **common)
+        return tf.LlamaForCausalLM(cfg).eval()
+    if family == "qwen2":
+        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, max_position_embeddings=1024, use_sliding_window=False, **common)
+        return tf.Qwen2ForCausalLM(cfg).eval()
+    if family == "mistral":
+        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=1024, sliding_window=None, **common)
+        return tf.MistralForCausalLM(cfg).eval()
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
+        return tf.GPT2LMHeadModel(cfg).eval()
+    if family == "bloom":
+        cfg = tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)
+        return tf.BloomForCausalLM(cfg).eval()
+    if family == "mpt":
+        cfg = tf.MptConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=1024, **common)
+        return tf.MptForCausalLM(cfg).eval()
+    raise ValueError(family)
+
+
+def reference_allowed(res, encoding: str, preamble: str | None = "#0") -> torch.Tensor:
+    """The attention pattern of docs/pml.md over ``res.input_ids``, built from the spans.
+
+    Written independently of the engine: units attend causally within their
+    span (and to the preamble span in preamble mode); an argument attends to its
+    module's tokens before the slot (by position), the preamble in preamble
+    mode, and itself causally; uncached tokens attend to everything before them.
+    """
+    T = res.input_ids.shape[0]
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    spans = {lab: (a, b) for lab, a, b in res.spans}
+    pre = spans.get(preamble) if (encoding == "preamble" and preamble) else None
+    for lab, a, b in res.spans:
+        tri = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        if lab == "uncached":
+            allowed[a:b, :a] = True
+            allowed[a:b, a:b] = tri
+            continue
+        allowed[a:b, a:b] = tri
+        if "." in lab and lab.split(".")[0] in spans:
+            m0, m1 = spans[lab.split(".")[0]]
+            slot_start = int(res.position_ids[a])
+            before = torch.nonzero(res.position_ids[m0:m1] < slot_start).flatten() + m0
+            allowed[a:b, before] = True
+        if pre is not None and lab != preamble:
+            allowed[a:b, pre[0]:pre[1]] = True
+    return allowed
+
+
+def reference_logits(pc, res, encoding: str) -> torch.Tensor:
+    """One forward of the stock model (eager attention, its own positional code)
+    over ``res.input_ids`` with ``res.position_ids`` and the reference mask.
+
+    ALiBi models cannot take position ids in their stock code, so for them the
+    forward goes through the family adapter on a fresh copy of the model (its
+    bias override is checked against the stock model separately)."""
+    from pcache_rag.models import adapter_for
+
+    allowed = reference_allowed(res, encoding)
+    model = copy.deepcopy(pc.model)
+    model.set_attn_implementation("eager")
+    ids, pos = res.input_ids[None], res.position_ids[None]
+    if pc.adapter.family == "alibi":
+        ad = adapter_for(model)
+        from transformers.cache_utils import DynamicCache
+
+        return ad.forward(res.input_ids, res.position_ids, DynamicCache(), allowed, res.position_ids)[-1]
+    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0, -1]
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word (ids stable per word): exact position
+    arithmetic in layout tests. No chat template, no BOS."""
+
+    chat_template = None
+    bos_token_id = None
+    eos_token_id = 0
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {"<eos>": 0}
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False):
+        inv = {v: k for k, v in self.vocab.items()}
+        return " ".join(inv[i] for i in ids)
+
+
+def words(n: int, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))

@@ -1,0 +1,72 @@
+"""Decoding after a cached prefill: greedy equals stock generate, sampling, stops, streaming."""
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from pcache_rag import PromptCache
+
+SCHEMA = '<schema name="g"><module name="doc">A short document that the prompt starts with.</module></schema>'
+PROMPT = '<prompt schema="g"><doc/> and then the question</prompt>'
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "bloom"])
+def pc(request, smol_tok):
+    p = PromptCache(tiny_model(request.param, len(smol_tok)), smol_tok, encoding="isolated", store_dtype=None)
+    p.add_schema(SCHEMA)
+    p.eos_ids = set()  # random weights: let runs go to max_new_tokens
+    return p
+
+
+def test_greedy_matches_stock_generate(pc):
+    out = pc.generate(PROMPT, max_new_tokens=12)
+    res = pc.prefill(PROMPT)
+    with torch.no_grad():
+        ref = pc.model.generate(res.input_ids[None], attention_mask=torch.ones(1, res.input_ids.shape[0], dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, res.input_ids.shape[0]:].tolist()
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert out.cached_tokens > 0 and out.computed_tokens == res.computed_tokens
+    assert out.ttft_s > 0
+
+
+def test_sampling_is_repeatable_with_a_seed(pc):
+    a = pc.generate(PROMPT, max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=7)
+    b = pc.generate(PROMPT, max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=7)
+    c = pc.generate(PROMPT, max_new_tokens=10, do_sample=True, temperature=1.5, top_p=0.9, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids or a.text == c.text  # different seeds may rarely agree
+
+
+def test_stream_concatenates_to_generate(pc):
+    full = pc.generate(PROMPT, max_new_tokens=10)
+    deltas = list(pc.stream(PROMPT, max_new_tokens=10))
+    assert "".join(deltas) == full.text
+    assert pc.last_output.token_ids == full.token_ids
+
+
+def test_stop_string_cuts_text_and_stream(pc):
+    full = pc.generate(PROMPT, max_new_tokens=16)
+    if len(full.text) < 6:
+        pytest.skip("random model produced too little text to pick a stop string")
+    stop = full.text[3:6]
+    out = pc.generate(PROMPT, max_new_tokens=16, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+    assert "".join(pc.stream(PROMPT, max_new_tokens=16, stop=[stop])) == out.text
+
+
+def test_eos_stops(smol_tok):
+    p = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok)
+    p.add_schema(SCHEMA)
+    first = p.generate(PROMPT, max_new_tokens=1).token_ids[0]
+    p.eos_ids = {first}
+    out = p.generate(PROMPT, max_new_tokens=5)
+    assert out.finish_reason == "eos" and out.token_ids == []
+
+
+def test_bad_arguments(pc):
+    with pytest.raises(ValueError):
+        pc.generate(PROMPT, max_new_tokens=0)
+    with pytest.raises(TypeError):
+        list(pc.stream(PROMPT, temprature=1.0))
