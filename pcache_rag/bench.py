@@ -145,3 +145,117 @@ def bench_ttft(pc, lengths=(512, 1024, 2048, 4096, 8192), repeats: int = 3, ques
             f"x{row['speedup']:<6} cached/floor {row['cached_over_floor']:.2f}  same token: {row['same_next_token']}"
         )
     return rows
+
+
+def _drop_page_cache(directory) -> None:
+    """Ask the kernel to forget cached pages of every file under ``directory`` (no root needed)."""
+    import os
+    from pathlib import Path
+
+    for f in Path(directory).rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd) if os.access(f, os.W_OK) else None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory=None, log=print) -> dict:
+    """Bytes per cached token vs the formula, disk load throughput, and TTFT from each tier
+    (memory fp32, host fp16, disk with warm and cold page cache) against full prefill, one run."""
+    import tempfile
+
+    import torch
+
+    from .default_model import load_model
+    from .engine import PromptCache
+    from .store import DiskTier, MemoryTier, TieredStore
+
+    model, tok = load_model(model_path)
+    tmp = tempfile.mkdtemp(prefix="pcache-bench-") if directory is None else directory
+    out: dict = {"tokens": tokens}
+
+    # Engine's in-memory baseline: states kept in the model's dtype.
+    mem = PromptCache(model, tok, store_dtype=None, max_tokens=tokens + 64)
+    schema, prompt = doc_schema(mem, "store", tokens)
+    mem.add_schema(schema)
+    res = mem.prefill(prompt)
+    full = _median(lambda: mem.full_prefill(res.input_ids), repeats)
+
+    def ttft(pc, before=None) -> float:
+        xs = []
+        for _ in range(repeats):
+            if before:
+                before()
+            pc.workspace.invalidate()
+            t = time.perf_counter()
+            pc.prefill(prompt)
+            xs.append(time.perf_counter() - t)
+        return statistics.median(xs)
+
+    t_mem = ttft(mem)
+    host = MemoryTier("cpu", name="host")
+    disk = DiskTier(tmp)
+    pc = PromptCache(model, tok, store=TieredStore([host, disk]), max_tokens=tokens + 64)
+    pc.add_schema(schema)
+    keys = list(pc._schemas["store"].keys.values())
+    t_host = ttft(pc)
+
+    def evict_host():
+        for k in keys:
+            host.remove(k)
+
+    t_warm = ttft(pc, evict_host)
+
+    def evict_cold():
+        evict_host()
+        _drop_page_cache(tmp)
+
+    t_cold = ttft(pc, evict_cold)
+
+    # bytes per token, and raw disk load throughput
+    shape = pc.adapter.kv_shape
+    kvs = [disk.get(k) for k in keys]
+    n_tok = sum(kv.length for kv in kvs)
+    n_bytes = sum(kv.nbytes() for kv in kvs)
+    t0 = time.perf_counter()
+    for k in keys:
+        disk.get(k)
+    warm_s = time.perf_counter() - t0
+    _drop_page_cache(tmp)
+    t0 = time.perf_counter()
+    for k in keys:
+        disk.get(k)
+    cold_s = time.perf_counter() - t0
+    out.update(
+        {
+            "bytes_per_token_fp16": round(n_bytes / n_tok, 1),
+            "formula_fp16": shape.bytes_per_token(2),
+            "formula_fp32": shape.bytes_per_token(4),
+            "bytes_per_token_fp32": mem.store.get(mem._schemas["store"].keys["d0"]).nbytes()
+            / mem.store.get(mem._schemas["store"].keys["d0"]).length,
+            "disk_load_MBps_warm": round(n_bytes / warm_s / 1e6, 1),
+            "disk_load_MBps_cold": round(n_bytes / cold_s / 1e6, 1),
+            "full_prefill_s": round(full, 3),
+            "ttft_memory_fp32_s": round(t_mem, 4),
+            "ttft_host_fp16_s": round(t_host, 4),
+            "ttft_disk_warm_s": round(t_warm, 4),
+            "ttft_disk_cold_s": round(t_cold, 4),
+            "device_tier": "not run (no CUDA on this machine)" if not torch.cuda.is_available() else "see below",
+        }
+    )
+    out["host_over_memory"] = round(t_host / t_mem, 2)
+    out["speedup_disk_warm"] = round(full / t_warm, 1)
+    out["speedup_disk_cold"] = round(full / t_cold, 1)
+    log(
+        f"bytes/token fp16 {out['bytes_per_token_fp16']} (formula {out['formula_fp16']}), "
+        f"fp32 {out['bytes_per_token_fp32']:.0f} (formula {out['formula_fp32']})\n"
+        f"disk load {out['disk_load_MBps_warm']} MB/s warm, {out['disk_load_MBps_cold']} MB/s cold\n"
+        f"{tokens} tokens: full prefill {full:.2f}s | memory fp32 {t_mem * 1e3:.0f} ms | host fp16 {t_host * 1e3:.0f} ms "
+        f"(x{out['host_over_memory']} of memory) | disk warm {t_warm * 1e3:.0f} ms (x{out['speedup_disk_warm']} vs full) | "
+        f"disk cold {t_cold * 1e3:.0f} ms (x{out['speedup_disk_cold']})"
+    )
+    pc.store.close()
+    return out

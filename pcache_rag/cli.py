@@ -39,16 +39,67 @@ def cmd_bench(a) -> int:
     from .bench import bench_ttft
     from .engine import PromptCache
 
-    if a.what != "ttft":
-        print(f"unknown benchmark {a.what!r}", file=sys.stderr)
-        return 2
-    pc = PromptCache.from_pretrained(a.model, max_tokens=max(a.lengths) + 64)
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
+    if a.what == "store":
+        from .bench import bench_store
+
+        row = bench_store(a.model, tokens=a.tokens, repeats=a.repeats, directory=a.dir, log=log)
+        if a.json:
+            print(json.dumps({"benchmark": "store", **row}, indent=2))
+        return 0
+    pc = PromptCache.from_pretrained(a.model, max_tokens=max(a.lengths) + 64)
     log(f"model {pc.model.config.model_type}, {sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M params, "
         f"encoding {pc.encoding}; medians of {a.repeats} runs")
     rows = bench_ttft(pc, a.lengths, a.repeats, a.question_tokens, log=log)
     if a.json:
         print(json.dumps({"benchmark": "ttft", "rows": rows}, indent=2))
+    return 0
+
+
+def _rag(a):
+    from .engine import PromptCache
+    from .rag import CachedRAG
+
+    pc = PromptCache.from_pretrained(a.model, cache_dir=str(Path(a.index).expanduser() / "kv"), encoding=a.encoding)
+    return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", 512),
+                     chroma_url=a.chroma_url)
+
+
+def cmd_ingest(a) -> int:
+    rag = _rag(a)
+    rep = rag.ingest(a.paths, progress=True)
+    print(
+        f"files: {rep.added} added, {rep.changed} changed, {rep.unchanged} unchanged, {rep.removed} removed; "
+        f"chunks: {rep.chunks_encoded} encoded, {rep.chunks_reused} already cached; {rep.seconds:.1f}s"
+    )
+    missing = rag.verify()
+    if missing:
+        print(f"warning: {len(missing)} chunks lack cached states (they will be re-encoded on use)", file=sys.stderr)
+    return 0
+
+
+def cmd_ask(a) -> int:
+    rag = _rag(a)
+    if rag.index.count() == 0:
+        print(f"the index at {a.index} is empty: run `pcache-rag ingest PATH --index {a.index}` first", file=sys.stderr)
+        return 2
+    handles = rag.retrieve(a.question, a.k)
+    runs = []
+    if not a.no_cache:
+        runs.append(("cached", rag.answer(a.question, handles=handles, max_new_tokens=a.max_new_tokens)))
+    if a.no_cache or a.compare:
+        runs.append(("full prefill", rag.answer_full_prefill(a.question, handles=handles,
+                                                             max_new_tokens=a.max_new_tokens)))
+    for name, ans in runs:
+        print(f"[{name}] {ans.text.strip()}")
+    print("\nsources:")
+    for h in handles:
+        print(f"  {h.score:.2f}  {h.source}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
+    for name, ans in runs:
+        print(f"{name:>12}: ttft {ans.ttft_s * 1000:.0f} ms (retrieve {ans.retrieve_s * 1000:.0f} ms); "
+              f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}")
+    if len(runs) == 2:
+        print(f"       ratio: x{runs[1][1].ttft_s / runs[0][1].ttft_s:.1f}")
     return 0
 
 
@@ -72,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     r.set_defaults(fn=cmd_run)
 
-    b = sub.add_parser("bench", help="benchmarks (ttft)")
-    b.add_argument("what", choices=("ttft",))
+    b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers)")
+    b.add_argument("what", choices=("ttft", "store"))
+    b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
+    b.add_argument("--dir", default=None, help="store: cache directory (default: a temporary one)")
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)
@@ -81,9 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     b.set_defaults(fn=cmd_bench)
 
-    d = sub.add_parser("demo", help="the main job: answer questions over a sample corpus")
+    def rag_args(x):
+        x.add_argument("--index", required=True, help="index directory (chroma + KV store)")
+        x.add_argument("--model", default=None, help="local model folder or .gguf (default: embedded SmolLM2)")
+        x.add_argument("--chroma-url", default=None, help="use a chroma server instead of the embedded one")
+        x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
+
+    i = sub.add_parser("ingest", help="index documents: chunk, embed into chroma, encode KV states")
+    i.add_argument("paths", nargs="+", help="files or directories (.txt, .md, .rst)")
+    rag_args(i)
+    i.add_argument("--chunk-tokens", type=int, default=512)
+    i.set_defaults(fn=cmd_ingest)
+
+    q = sub.add_parser("ask", help="answer a question from an index")
+    q.add_argument("question")
+    rag_args(q)
+    q.add_argument("--k", type=int, default=4, help="chunks to retrieve")
+    q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
+    q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
+    q.set_defaults(fn=cmd_ask)
+
+    d = sub.add_parser("demo", help="the main job: ingest a sample corpus and answer questions")
     d.add_argument("--model", default=None)
     d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--index", default=None, help="index directory (default: under ~/.cache/pcache-rag)")
     d.set_defaults(fn=cmd_demo)
     return p
 

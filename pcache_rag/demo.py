@@ -1,61 +1,60 @@
-"""The main job: answer questions over a sample corpus, cached vs full prefill.
+"""The main job: ingest a sample corpus and answer questions, cached vs full prefill.
 
-The corpus is built at run time from the plain-text documentation of Python
-standard-library modules on this machine. Each page (cut to ~450 tokens)
-becomes a document module in a union-free schema with a system preamble; each
-question imports the pages it is about. Every answer is printed with its
-time-to-first-token from the cache and from a full prefill of the same tokens
-in the same process.
+The corpus is built at run time from real text already on the machine: the
+plain-text documentation (``pydoc``) of Python standard-library modules, one
+file per module. The project ships no third-party prose. The index lives in
+``~/.cache/pcache-rag/demo-index`` (or ``--index``), so a second run re-uses
+every encoded chunk and only answers.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from .bench import stdlib_docs
-from .pml import escape
 
+MODULES = ("json", "csv", "textwrap", "heapq", "bisect", "shutil", "pathlib", "zipfile")
 QUESTIONS = [
-    (("json",), "Which function of the json module reads JSON from a file object?"),
-    (("textwrap",), "What does textwrap.dedent do?"),
-    (("heapq", "bisect"), "Which module keeps a list sorted while inserting, heapq or bisect?"),
+    "How do I read rows from a CSV file?",
+    "What does textwrap.dedent do?",
+    "Which function keeps a list sorted when inserting an item?",
 ]
 
 
-def build(pc, chunk_tokens: int = 450):
-    tok = pc.tokenizer
-    names = sorted({n for q in QUESTIONS for n in q[0]} | {"shutil", "csv"})
-    mods = []
-    for name, text in stdlib_docs(modules=names):
-        ids = tok(text, add_special_tokens=False)["input_ids"][:chunk_tokens]
-        mods.append(f'<module name="{name}">Documentation of {name}:\n{escape(tok.decode(ids))}</module>')
-    schema = (
-        '<schema name="stdlib-docs"><system>You are a helpful assistant. Answer briefly using the '
-        f"documentation provided.</system>{''.join(mods)}</schema>"
-    )
-    return schema
+def build_corpus(directory: Path, modules=MODULES) -> Path:
+    """Write one ``<module>.txt`` per standard-library module (skips files already written)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in stdlib_docs(modules=modules):
+        f = directory / f"{name}.txt"
+        if not f.exists() or f.read_text(encoding="utf-8") != text:
+            f.write_text(text, encoding="utf-8")
+    return directory
 
 
 def run_demo(a) -> int:
+    from .default_model import cache_home
     from .engine import PromptCache
+    from .rag import CachedRAG
 
+    index = Path(a.index) if a.index else cache_home() / "demo-index"
+    corpus = build_corpus(cache_home() / "sample-corpus")
     t = time.perf_counter()
-    pc = PromptCache.from_pretrained(a.model)
-    print(f"loaded {pc.model.config.model_type} in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}")
-    t = time.perf_counter()
-    layout = pc.add_schema(build(pc), progress=True)
-    n = sum(len(u.token_ids) for u in layout.units.values())
-    print(f"encoded {len(layout.units)} modules ({n} tokens) once in {time.perf_counter() - t:.1f}s\n")
-    for names, q in QUESTIONS:
-        prompt = f'<prompt schema="stdlib-docs">{"".join(f"<{n}/>" for n in names)}<user>{escape(q)}</user></prompt>'
-        out = pc.generate(prompt, max_new_tokens=a.max_new_tokens)
-        res = pc.prefill(prompt)
-        t = time.perf_counter()
-        pc.full_prefill(res.input_ids)
-        full = time.perf_counter() - t
-        print(f"Q: {q}\nA: {out.text.strip()}")
-        print(
-            f"   ttft cached {out.ttft_s * 1000:.0f} ms vs full prefill {full * 1000:.0f} ms "
-            f"(x{full / out.ttft_s:.1f}); cached {out.cached_tokens} tokens, computed {out.computed_tokens}\n"
-        )
+    pc = PromptCache.from_pretrained(a.model, cache_dir=str(index / "kv"))
+    print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
+          f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}")
+    rag = CachedRAG(index, pc=pc, k=4)
+    rep = rag.ingest([corpus])
+    print(f"corpus: {len(list(corpus.glob('*.txt')))} files from the stdlib docs -> {rag.index.count()} chunks; "
+          f"{rep.chunks_encoded} encoded now, {rep.unchanged} files unchanged ({rep.seconds:.1f}s)\n")
+    for q in QUESTIONS:
+        handles = rag.retrieve(q)
+        cached = rag.answer(q, handles=handles, max_new_tokens=a.max_new_tokens)
+        full = rag.answer_full_prefill(q, handles=handles, max_new_tokens=1)
+        print(f"Q: {q}\nA: {cached.text.strip()}")
+        print("   sources: " + ", ".join(f"{Path(h.source).name}#{h.metadata.get('chunk')}" for h in handles))
+        print(f"   ttft cached {cached.ttft_s * 1000:.0f} ms vs full prefill {full.ttft_s * 1000:.0f} ms "
+              f"(x{full.ttft_s / cached.ttft_s:.1f}); {cached.output.cached_tokens} tokens cached, "
+              f"{cached.output.computed_tokens} computed\n")
+    rag.close()
     return 0

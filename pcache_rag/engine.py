@@ -301,10 +301,26 @@ class PromptCache:
             return self._prefill(plan, self._states(plan, state), reserve)
 
     def _prefill(self, plan: PromptPlan, kvs: list[ModuleKV], reserve: int) -> PrefillResult:
+        pre = plan.layout.preamble if self.encoding == "preamble" else None
+        return self._prefill_parts(
+            [u.name for u in plan.units], kvs, plan.args, plan.uncached_ids, plan.uncached_positions, pre, reserve
+        )
+
+    def _prefill_parts(
+        self,
+        labels: list[str],
+        kvs: list[ModuleKV],
+        args: list,
+        uncached_ids: list[int],
+        uncached_positions: list[int],
+        preamble: str | None,
+        reserve: int,
+    ) -> PrefillResult:
+        """Assemble ``kvs`` (labelled), compute arguments and uncached tokens, return logits."""
         dev = self.adapter.device
         t0 = time.perf_counter()
-        n_args = sum(len(ids) for _, _, ids in plan.args)
-        q = n_args + len(plan.uncached_ids)
+        n_args = sum(len(ids) for _, _, ids in args)
+        q = n_args + len(uncached_ids)
         C, copied = self.workspace.assemble(kvs, extra=q + reserve)
         t1 = time.perf_counter()
 
@@ -315,39 +331,46 @@ class PromptCache:
         offsets: dict[str, int] = {}
         lengths: dict[str, int] = {}
         off = 0
-        for u, kv in zip(plan.units, kvs):
-            offsets[u.name] = off
-            lengths[u.name] = kv.length
-            spans.append((u.name, off, off + kv.length))
+        for name, kv in zip(labels, kvs):
+            offsets[name] = off
+            lengths[name] = kv.length
+            spans.append((name, off, off + kv.length))
             off += kv.length
         allowed = torch.zeros(q, C + q, dtype=torch.bool)
         row = 0
-        pre = plan.layout.preamble if self.encoding == "preamble" else None
-        for u, slot, ids in plan.args:
-            a, b = C + row, C + row + len(ids)
-            spans.append((f"{u.name}.{slot.name}", a, b))
+        for u, slot, ids in args:
+            a = C + row
+            spans.append((f"{u.name}.{slot.name}", a, a + len(ids)))
             m0 = offsets[u.name]
             for i in range(len(ids)):
                 allowed[row + i, m0 : m0 + slot.offset] = True  # the module's tokens before the slot
                 allowed[row + i, a : a + i + 1] = True  # the argument so far
-                if pre is not None and pre in offsets:
-                    allowed[row + i, offsets[pre] : offsets[pre] + lengths[pre]] = True
+                if preamble is not None and preamble in offsets:
+                    allowed[row + i, offsets[preamble] : offsets[preamble] + lengths[preamble]] = True
             q_ids.extend(ids)
             q_pos.extend(range(slot.start, slot.start + len(ids)))
             row += len(ids)
-        U = len(plan.uncached_ids)
+        U = len(uncached_ids)
         spans.append(("uncached", C + row, C + row + U))
         allowed[row:, : C + row] = True
         allowed[row:, C + row :] = torch.ones(U, U, dtype=torch.bool).tril_()
-        q_ids.extend(plan.uncached_ids)
-        q_pos.extend(plan.uncached_positions)
+        q_ids.extend(uncached_ids)
+        q_pos.extend(uncached_positions)
 
         ids_t = torch.tensor(q_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(q_pos, dtype=torch.long, device=dev)
         cached_pos = [kv.position_ids for kv in kvs]
         key_pos = torch.cat(cached_pos + [pos_t.cpu()]).to(dev) if self.adapter.family == "alibi" else None
         t2 = time.perf_counter()
-        logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed.to(dev), key_pos)[-1]
+        if C == 0 and not args:
+            # Nothing cached (a full prefill): plain causal attention over contiguous states, the
+            # fast kernel; the states are then copied into the workspace for decoding.
+            fresh = DynamicCache()
+            logits = self.adapter.forward(ids_t, pos_t, fresh, None, None)[-1]
+            for src, dst in zip(fresh.layers, self.workspace.layers):
+                dst.update(src.keys, src.values)
+        else:
+            logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed.to(dev), key_pos)[-1]
         t3 = time.perf_counter()
         input_ids = torch.cat([kv.token_ids for kv in kvs] + [ids_t.cpu()])
         position_ids = torch.cat(cached_pos + [pos_t.cpu()])
@@ -362,6 +385,74 @@ class PromptCache:
             assemble_s=t1 - t0,
             forward_s=t3 - t2,
         )
+
+    # ------------------------------------------------------------------ parts (RAG)
+
+    def place(self, kv: ModuleKV, start: int) -> ModuleKV:
+        """The states of ``kv`` moved so its first token sits at position ``start``.
+
+        RoPE keys are re-rotated (exact up to rounding); ALiBi states carry no
+        position and are reused as they are; learned-position models cannot
+        move states (encode at the target positions instead).
+        """
+        delta = start - int(kv.position_ids[0])
+        if delta == 0:
+            return kv
+        return self.adapter.move(kv, delta)
+
+    @torch.no_grad()
+    def prefill_parts(
+        self, parts: list[tuple[str, ModuleKV]], new_ids: list[int], preamble: str | None = None, reserve: int = 0
+    ) -> PrefillResult:
+        """Prefill cached ``parts`` (label, states already at their positions) plus ``new_ids``,
+        which are placed right after the last part's position."""
+        with self._lock, torch.no_grad():
+            return self._prefill_new(parts, new_ids, preamble, reserve)
+
+    def _prefill_new(self, parts, new_ids, preamble, reserve):
+        if not new_ids:
+            raise ValueError("there must be at least one new token to compute")
+        start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
+        pos = list(range(start, start + len(new_ids)))
+        if pos[-1] >= self.max_positions:
+            raise PMLError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
+        pre = preamble if self.encoding == "preamble" else None
+        return self._prefill_parts(
+            [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve
+        )
+
+    def generate_parts(self, parts, new_ids, preamble=None, **gen) -> GenerationOutput:
+        """:meth:`generate` for cached parts plus new token ids (see :meth:`prefill_parts`)."""
+        out = None
+        for item in self._run_parts(parts, new_ids, preamble, **_gen_kwargs(gen)):
+            if isinstance(item, GenerationOutput):
+                out = item
+        assert out is not None, "the generation loop always ends with its output"
+        return out
+
+    def stream_parts(self, parts, new_ids, preamble=None, **gen) -> Iterator[str]:
+        """:meth:`stream` for cached parts plus new token ids."""
+        for item in self._run_parts(parts, new_ids, preamble, **_gen_kwargs(gen)):
+            if isinstance(item, str):
+                yield item
+
+    def _run_parts(self, parts, new_ids, preamble, max_new_tokens=64, do_sample=False, temperature=1.0,
+                   top_p=1.0, seed=None, stop=None):
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        t0 = time.perf_counter()
+        with self._lock, torch.no_grad():
+            res = self._prefill_new(parts, new_ids, preamble, reserve=max_new_tokens)
+            yield from self._decode(res, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop)
+
+    def generate_text(self, text: str, **gen) -> GenerationOutput:
+        """Generate from plain text with nothing cached (an ordinary LLM call)."""
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return self.generate_parts([], ids, **gen)
+
+    def stream_text(self, text: str, **gen) -> Iterator[str]:
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return self.stream_parts([], ids, **gen)
 
     # ------------------------------------------------------------------ generation
 
@@ -407,7 +498,7 @@ class PromptCache:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         t0 = time.perf_counter()
-        with self._lock:
+        with self._lock, torch.no_grad():
             plan, state = self.plan(prompt_pml)
             res = self._prefill(plan, self._states(plan, state), reserve=max_new_tokens)
             yield from self._decode(res, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop)

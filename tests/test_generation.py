@@ -70,3 +70,16 @@ def test_bad_arguments(pc):
         pc.generate(PROMPT, max_new_tokens=0)
     with pytest.raises(TypeError):
         list(pc.stream(PROMPT, temprature=1.0))
+
+
+def test_no_autograd_graph_on_any_path(smol_tok):
+    """Every forward the engine runs (prefill, decode, parts, plain text) is under no_grad."""
+    p = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok)
+    p.add_schema(SCHEMA)
+    seen = []
+    p.model.register_forward_hook(lambda m, a, o: seen.append(torch.is_grad_enabled()))
+    p.generate(PROMPT, max_new_tokens=3)
+    list(p.stream(PROMPT, max_new_tokens=2))
+    p.generate_text("plain text", max_new_tokens=2)
+    p.prefill(PROMPT)
+    assert seen and not any(seen)

@@ -45,6 +45,12 @@ class AlibiAdapter(Adapter):
         self._ctx: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hooks = [b.register_forward_pre_hook(self._hook, with_kwargs=True) for b in self.blocks]
 
+    def move(self, kv, delta: int):
+        """ALiBi keys and values carry no position: only the position ids change."""
+        from ..kv import ModuleKV
+
+        return ModuleKV(kv.keys, kv.values, kv.token_ids, kv.position_ids + delta, uid=kv.uid)
+
     def _max_positions(self) -> int:
         return int(getattr(self.config, "max_seq_len", 0) or 1 << 20)
 

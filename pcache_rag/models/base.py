@@ -75,6 +75,12 @@ class Adapter:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def move(self, kv, delta: int):
+        """``kv`` shifted by ``delta`` positions, or an error if this family cannot move states."""
+        raise UnsupportedModelError(
+            f"{self.family} position models cannot move cached states; encode them at the target positions"
+        )
+
     # -- masks -----------------------------------------------------------------
 
     def mask(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,13 @@ class RopeAdapter(Adapter):
             )
         return rerotate(keys, delta, self.inv_freq)
 
+    def move(self, kv, delta: int):
+        from ..kv import ModuleKV
+
+        # Rotate in float32 (stored states may be fp16), then keep the model's dtype.
+        keys = self.rerotate(kv.keys.float(), delta).to(self.dtype)  # (L, H, T, D)
+        return ModuleKV(keys, kv.values, kv.token_ids, kv.position_ids + delta)
+
     @torch.no_grad()
     def self_check(self, length: int = 8, shift: int = 37, atol: float = 1e-3) -> float:
         """Encode a few tokens at 0 and at ``shift``; re-rotation must map one onto the other.

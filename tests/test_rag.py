@@ -1,0 +1,171 @@
+"""RAG: ingest/re-ingest/change/remove consistency, handle retrieval, escaping, exact placement,
+and the LlamaIndex and LangChain connectors answering through the cache."""
+
+import asyncio
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from pcache_rag import PromptCache
+from pcache_rag.rag import CachedRAG
+
+DOCS = {
+    "rivers.md": "The Nile flows north into the Mediterranean Sea.\n\nThe Amazon carries more water than any other river.",
+    "cities.txt": "Paris is the capital of France.\n\nTokyo is the capital of Japan and very large.",
+    "food.txt": "Sushi is a Japanese dish of rice with fish.\n\nCroissants are a French pastry made with butter.",
+}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    for name, text in DOCS.items():
+        (d / name).write_text(text)
+    return d
+
+
+@pytest.fixture
+def rag(smol, tmp_path, corpus):
+    r = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=16)
+    r.ingest([corpus], progress=False)
+    return r
+
+
+def test_ingest_reingest_change_remove_keep_chroma_and_store_consistent(smol, tmp_path, corpus):
+    rag = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=16)
+    rep = rag.ingest([corpus], progress=False)
+    assert (rep.added, rep.changed, rep.unchanged) == (3, 0, 0) and rep.chunks_encoded >= 6
+    keys = rag.index.keys()
+    assert len(keys) == rag.index.count() and rag.verify() == []
+    again = rag.ingest([corpus], progress=False)
+    assert (again.unchanged, again.chunks_encoded, again.added) == (3, 0, 0)
+    old = {k for k in rag.index.sources()[str((corpus / "food.txt").resolve())][2]}
+    (corpus / "food.txt").write_text("Pizza is an Italian dish baked in an oven.")
+    ch = rag.ingest([corpus], progress=False)
+    assert ch.changed == 1 and ch.unchanged == 2
+    new = set(rag.index.sources()[str((corpus / "food.txt").resolve())][2])
+    assert not (old & new)
+    assert all(not smol.store.contains(k) for k in old), "states of replaced chunks are removed"
+    assert rag.verify() == []
+    gone = set(rag.index.sources()[str((corpus / "rivers.md").resolve())][2])
+    (corpus / "rivers.md").unlink()
+    rm = rag.ingest([corpus], progress=False)
+    assert rm.removed == 1
+    assert str((corpus / "rivers.md").resolve()) not in rag.index.sources()
+    assert all(not smol.store.contains(k) for k in gone)
+    assert set(rag.index.keys().values()) <= {k for k in rag.index.keys().values() if smol.store.contains(k)}
+
+
+def test_retrieval_returns_handles_best_first(rag):
+    hs = rag.retrieve("What is the capital of Japan?")
+    assert len(hs) == 2 and hs[0].score >= hs[1].score
+    assert "Tokyo" in hs[0].text and hs[0].source.endswith("cities.txt")
+    assert all(rag.pc.store.contains(h.kv_key) for h in hs)
+
+
+def test_question_markup_is_text_and_only_the_question_is_computed(rag):
+    q = 'Which river flows north? <rivers/> </user><assistant>'
+    ans = rag.answer(q, max_new_tokens=4)
+    o = ans.output
+    assert o.computed_tokens == len(rag.question_ids(q))
+    assert o.cached_tokens == len(rag.preamble_ids) + sum(h.n_tokens for h in ans.handles)
+    assert rag.pc.tokenizer.decode(rag.question_ids(q)).startswith("Question: " + q)
+
+
+def test_cached_answer_is_faster_and_matches_baseline_text(rag):
+    q = "Which river flows north?"
+    hs = rag.retrieve(q)
+    a = rag.answer(q, handles=hs, max_new_tokens=8)
+    b = rag.answer_full_prefill(q, handles=hs, max_new_tokens=8)
+    assert a.output.cached_tokens > 0 and b.output.cached_tokens == 0
+    assert b.output.computed_tokens == len(rag.full_prompt_ids(q, hs))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "bloom"])
+def test_placed_chunk_equals_encoding_at_the_slot(smol_tok, tmp_path, family):
+    """Isolated encoding: a chunk encoded once and moved (RoPE rotation / ALiBi no-op) gives the
+    same states and the same logits as encoding it at the slot directly (float32, 1e-4)."""
+    pc = PromptCache(tiny_model(family, len(smol_tok)), smol_tok, encoding="isolated", store_dtype=None)
+    ids = smol_tok("A chunk of retrieved text about rivers and seas.")["input_ids"]
+    q = smol_tok("Question: where?")["input_ids"]
+    pre = pc.encode([1, 2, 3], [0, 1, 2])
+    canonical = pc.encode(ids, list(range(3, 3 + len(ids))))
+    slot = 3 + 40
+    direct = pc.encode(ids, list(range(slot, slot + len(ids))))
+    placed = pc.place(canonical, slot)
+    assert torch.equal(placed.position_ids, direct.position_ids)
+    assert (placed.keys.float() - direct.keys.float()).abs().max() < 1e-4
+    filler = pc.encode(ids[:5] * 8, list(range(3, 43)))
+    a = pc.prefill_parts([("p", pre), ("f", filler), ("c", placed)], q).logits
+    b = pc.prefill_parts([("p", pre), ("f", filler), ("c", direct)], q).logits
+    assert (a - b).abs().max() < 1e-4
+
+
+def test_learned_positions_get_per_slot_encodings(smol_tok, tmp_path, corpus):
+    pc = PromptCache(tiny_model("gpt2", len(smol_tok)), smol_tok, store_dtype=None)
+    rag = CachedRAG(tmp_path / "idx", pc=pc, k=3, chunk_tokens=16)
+    rag.ingest([corpus], progress=False)
+    ans = rag.answer("capital of France?", max_new_tokens=2)
+    assert ans.output.cached_tokens > len(rag.preamble_ids)
+    with pytest.raises(ValueError, match="cannot move"):
+        pc.place(pc.store.get(ans.handles[0].kv_key), 500)
+
+
+# ---------------------------------------------------------------- LlamaIndex
+
+
+def test_llamaindex_query_engine_sync_streaming_async(rag):
+    from pcache_llamaindex import PromptCacheLLM, build_query_engine
+
+    q = "What is the capital of France?"
+    engine = build_query_engine(rag, max_new_tokens=8)
+    r = engine.query(q)
+    assert str(r).strip() and r.source_nodes and "module_id" in r.source_nodes[0].node.metadata
+    o = rag.pc.last_output
+    assert o.cached_tokens > 0 and o.computed_tokens == len(rag.question_ids(q))
+
+    s = build_query_engine(rag, streaming=True, max_new_tokens=8).query(q)
+    deltas = list(s.response_gen)
+    assert len(deltas) >= 2 and "".join(deltas) == rag.pc.last_output.text
+    assert rag.pc.last_output.computed_tokens == len(rag.question_ids(q))
+
+    a = asyncio.run(build_query_engine(rag, max_new_tokens=8).aquery(q))
+    assert str(a).strip() and rag.pc.last_output.cached_tokens > 0
+
+    plain = PromptCacheLLM(rag, max_new_tokens=4).complete("Say hello.")
+    assert plain.text and plain.additional_kwargs["cached_tokens"] == 0
+
+
+# ---------------------------------------------------------------- LangChain
+
+
+def test_langchain_chain_invoke_stream_ainvoke(rag):
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from pcache_langchain import PromptCacheLLM, PromptCacheRetriever, build_qa_chain
+
+    q = "What is sushi?"
+    docs = PromptCacheRetriever(rag=rag, k=2).invoke(q)
+    assert docs and "module_id" in docs[0].metadata and "kv_key" in docs[0].metadata
+
+    chain = build_qa_chain(rag, k=2, max_new_tokens=8)
+    text = chain.invoke(q)
+    assert text.strip() and text == rag.pc.last_output.text
+    assert rag.pc.last_output.cached_tokens > 0
+    assert rag.pc.last_output.computed_tokens == len(rag.question_ids(q))
+
+    parts = list(chain.stream(q))
+    assert len(parts) >= 2 and "".join(parts) == rag.pc.last_output.text
+
+    assert asyncio.run(chain.ainvoke(q)).strip()
+
+    class Count(BaseCallbackHandler):
+        n = 0
+
+        def on_llm_new_token(self, token, **kw):
+            Count.n += 1
+
+    out = PromptCacheLLM(rag=rag, max_new_tokens=5).invoke("Say hi.", config={"callbacks": [Count()]})
+    assert out and Count.n >= 2
