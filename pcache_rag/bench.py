@@ -259,3 +259,158 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     )
     pc.store.close()
     return out
+
+
+RAG_MODULES = ("json", "csv", "textwrap", "heapq", "bisect", "shutil", "tempfile", "zipfile", "string", "statistics")
+RAG_QUESTIONS = (
+    "How do I read rows from a CSV file?",
+    "What does textwrap.dedent do?",
+    "Which function keeps a list sorted when inserting an item?",
+    "How do I copy a whole directory tree?",
+    "How can I parse a JSON string into Python objects?",
+    "How do I create a temporary directory that is removed automatically?",
+)
+
+
+def bench_rag(model_path=None, index_dir=None, k: int = 4, chunk_tokens: int = 512, repeats: int = 3,
+              questions=RAG_QUESTIONS, log=print) -> dict:
+    """End-to-end TTFT (retrieve + assemble + first token) vs the same pipeline with full prefill
+    of the same retrieved text, on a stdlib-docs corpus; medians over questions and repeats."""
+    import tempfile
+    from pathlib import Path
+
+    from .demo import build_corpus
+    from .engine import PromptCache
+    from .rag import CachedRAG
+
+    index = Path(index_dir) if index_dir else Path(tempfile.mkdtemp(prefix="pcache-rag-bench-"))
+    corpus = build_corpus(index / "corpus", modules=RAG_MODULES)
+    pc = PromptCache.from_pretrained(model_path, cache_dir=str(index / "kv"))
+    rag = CachedRAG(index / "index", pc=pc, k=k, chunk_tokens=chunk_tokens)
+    rep = rag.ingest([corpus], progress=False)
+    log(f"corpus: {rag.index.count()} chunks of <= {chunk_tokens} tokens ({rep.chunks_encoded} encoded in "
+        f"{rep.seconds:.0f}s); k={k}; medians of {repeats} runs per question")
+    rows = []
+    for q in questions:
+        rag.answer(q, max_new_tokens=1)  # warm-up: the first read promotes from disk
+        cached, full, ret = [], [], []
+        for _ in range(repeats):
+            a = rag.answer(q, max_new_tokens=1)
+            b = rag.answer_full_prefill(q, max_new_tokens=1)
+            cached.append(a.ttft_s)
+            full.append(b.ttft_s)
+            ret.append(a.retrieve_s)
+        row = {
+            "question": q,
+            "prompt_tokens": a.output.cached_tokens + a.output.computed_tokens,
+            "computed_tokens": a.output.computed_tokens,
+            "retrieve_s": round(statistics.median(ret), 4),
+            "cached_ttft_s": round(statistics.median(cached), 4),
+            "full_ttft_s": round(statistics.median(full), 4),
+        }
+        row["speedup"] = round(row["full_ttft_s"] / row["cached_ttft_s"], 1)
+        rows.append(row)
+        log(f"{row['prompt_tokens']:>5} tok  retrieve {row['retrieve_s'] * 1e3:5.0f} ms  cached {row['cached_ttft_s'] * 1e3:6.0f} ms"
+            f"  full prefill {row['full_ttft_s'] * 1e3:7.0f} ms  x{row['speedup']:<5} {q}")
+    med = statistics.median(r["speedup"] for r in rows)
+    log(f"median speed-up x{med}")
+    rag.close()
+    return {"k": k, "chunk_tokens": chunk_tokens, "rows": rows, "median_speedup": med}
+
+
+_NAMES = ("Ada Ferrell", "Bruno Castell", "Chiara Lind", "Dmitri Osei", "Elena Vasko", "Farid Moreau",
+          "Greta Holm", "Hiro Tanabe", "Ines Duarte", "Jonas Weller", "Kalani Brooks", "Lena Marsh",
+          "Mateo Ruiz", "Nadia Petrov", "Oskar Lund", "Priya Nair", "Quentin Blake", "Rosa Amaral",
+          "Sven Dahl", "Tara Quinn", "Umar Haddad", "Vera Novak", "Wen Li", "Yusuf Kaya")
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dublin", "Kyoto", "Tunis",
+           "Zagreb", "Perth", "Accra", "Riga", "Bergen", "Cusco", "Malmo", "Porto", "Krakow", "Leipzig",
+           "Valencia", "Tallinn", "Bilbao", "Lyon")
+
+
+def quality_set(tokenizer, doc_tokens: int = 450, facts_in_distractors: bool = True):
+    """24 documents (stdlib doc text with one fictional fact inserted) and one question each.
+
+    With ``facts_in_distractors=False`` the 24 answer documents are followed by 24 plain ones
+    (no fact) to serve as distractors: the usual RAG case, where other retrieved chunks do not
+    state competing facts of the same form."""
+    docs, qs = [], []
+    pages = [t for _, t in stdlib_docs(modules=_DOC_MODULES[6:])]
+    ids = [i for p in pages for i in tokenizer(p, add_special_tokens=False)["input_ids"][:4000]]
+    for j, (name, city) in enumerate(zip(_NAMES, _CITIES)):
+        if not facts_in_distractors:  # interleaved, so every union slot holds both kinds
+            docs.append(tokenizer.decode(ids[(24 + j) * doc_tokens : (25 + j) * doc_tokens]))
+        piece = tokenizer.decode(ids[j * doc_tokens : (j + 1) * doc_tokens])
+        cut = piece.find("\n", len(piece) // 2)
+        cut = cut if cut > 0 else len(piece) // 2
+        fact = f"\n{name} was born in {city} in {1950 + j}.\n"
+        docs.append(piece[:cut] + fact + piece[cut:])
+        qs.append((len(docs) - 1, f"In which city was {name} born?", city))
+    return docs, qs
+
+
+def bench_quality(model_path=None, slots: int = 4, max_new_tokens: int = 16, facts_in_distractors: bool = True,
+                  log=print) -> dict:
+    """Answer-contained accuracy on the same questions: full prefill vs cached (isolated,
+    preamble fp16, preamble fp32). Each question reads its answer document and 3 others
+    (documents that state competing facts, or plain ones with ``facts_in_distractors=False``)."""
+    import torch
+
+    from .default_model import load_model
+    from .engine import PromptCache
+
+    model, tok = load_model(model_path)
+    docs, qs = quality_set(tok, facts_in_distractors=facts_in_distractors)
+    n = len(docs)
+    per = n // slots
+    unions = []
+    for s in range(slots):
+        members = "".join(f'<module name="doc{j}">{escape(docs[j])}</module>' for j in range(s * per, (s + 1) * per))
+        unions.append(f"<union>{members}</union>")
+    system = "Answer the question using the documents. Reply with a short answer."
+    schema = f'<schema name="quality"><system>{system}</system>{"".join(unions)}</schema>'
+
+    answer_docs = {j for j, _, _ in qs}
+
+    def prompt(j: int, q: str) -> str:
+        pick = []
+        for s in range(slots):
+            members = [s * per + (j + 1 + s + t) % per for t in range(per)]
+            plain = [m for m in members if m not in answer_docs]
+            pick.append((plain or members)[0] if not facts_in_distractors else members[0])
+        pick[j // per] = j  # the answer document sits in its own slot
+        return f'<prompt schema="quality">{"".join(f"<doc{i}/>" for i in pick)}<user>{escape(q)}</user></prompt>'
+
+    modes = {
+        "full prefill": None,
+        "cached isolated fp16": dict(encoding="isolated"),
+        "cached preamble fp16": dict(encoding="preamble"),
+        "cached preamble fp32": dict(encoding="preamble", store_dtype=None),
+    }
+    results: dict[str, dict] = {}
+    for mode, kw in modes.items():
+        pc = PromptCache(model, tok, **(kw or {}))
+        t0 = time.perf_counter()
+        pc.add_schema(schema)
+        enc_s = time.perf_counter() - t0
+        correct, answers, ttfts = 0, [], []
+        for j, q, a in qs:
+            p = prompt(j, q)
+            if kw is None:
+                res = pc.prefill(p)
+                out = pc.generate_parts([], res.input_ids.tolist(), max_new_tokens=max_new_tokens)
+            else:
+                out = pc.generate(p, max_new_tokens=max_new_tokens)
+            ok = a.lower() in out.text.lower()
+            correct += ok
+            answers.append(out.text.strip())
+            ttfts.append(out.ttft_s)
+        results[mode] = {"accuracy": round(correct / len(qs), 3), "correct": correct, "n": len(qs),
+                         "median_ttft_s": round(statistics.median(ttfts), 3), "encode_s": round(enc_s, 1),
+                         "answers": answers}
+        log(f"{mode:<22} {correct}/{len(qs)} = {correct / len(qs):.1%}   median ttft {statistics.median(ttfts) * 1e3:.0f} ms")
+        del pc
+        torch.manual_seed(0)
+    full = results["full prefill"]["answers"]
+    for mode, r in results.items():
+        r["same_answer_as_full"] = sum(x == y for x, y in zip(r["answers"], full))
+    return {"slots": slots, "results": results}

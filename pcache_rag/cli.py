@@ -47,6 +47,20 @@ def cmd_bench(a) -> int:
         if a.json:
             print(json.dumps({"benchmark": "store", **row}, indent=2))
         return 0
+    if a.what == "quality":
+        from .bench import bench_quality
+
+        row = bench_quality(a.model, facts_in_distractors=not a.plain_distractors, log=log)
+        if a.json:
+            print(json.dumps({"benchmark": "quality", **row}, indent=2))
+        return 0
+    if a.what == "rag":
+        from .bench import bench_rag
+
+        row = bench_rag(a.model, a.dir, k=a.k, repeats=a.repeats, log=log)
+        if a.json:
+            print(json.dumps({"benchmark": "rag", **row}, indent=2))
+        return 0
     pc = PromptCache.from_pretrained(a.model, max_tokens=max(a.lengths) + 64)
     log(f"model {pc.model.config.model_type}, {sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M params, "
         f"encoding {pc.encoding}; medians of {a.repeats} runs")
@@ -123,10 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     r.set_defaults(fn=cmd_run)
 
-    b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers)")
-    b.add_argument("what", choices=("ttft", "store"))
+    b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers), rag (end to end), quality (accuracy)")
+    b.add_argument("what", choices=("ttft", "store", "rag", "quality"))
+    b.add_argument("--k", type=int, default=4, help="rag: chunks per question")
+    b.add_argument("--plain-distractors", action="store_true",
+                   help="quality: distractor documents state no competing facts")
     b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
-    b.add_argument("--dir", default=None, help="store: cache directory (default: a temporary one)")
+    b.add_argument("--dir", default=None, help="store/rag: working directory (default: a temporary one)")
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)

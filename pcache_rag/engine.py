@@ -423,27 +423,13 @@ class PromptCache:
 
     def generate_parts(self, parts, new_ids, preamble=None, **gen) -> GenerationOutput:
         """:meth:`generate` for cached parts plus new token ids (see :meth:`prefill_parts`)."""
-        out = None
-        for item in self._run_parts(parts, new_ids, preamble, **_gen_kwargs(gen)):
-            if isinstance(item, GenerationOutput):
-                out = item
-        assert out is not None, "the generation loop always ends with its output"
-        return out
+        gen = _gen_kwargs(gen)
+        return _final(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r), **gen))
 
     def stream_parts(self, parts, new_ids, preamble=None, **gen) -> Iterator[str]:
         """:meth:`stream` for cached parts plus new token ids."""
-        for item in self._run_parts(parts, new_ids, preamble, **_gen_kwargs(gen)):
-            if isinstance(item, str):
-                yield item
-
-    def _run_parts(self, parts, new_ids, preamble, max_new_tokens=64, do_sample=False, temperature=1.0,
-                   top_p=1.0, seed=None, stop=None):
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        t0 = time.perf_counter()
-        with self._lock, torch.no_grad():
-            res = self._prefill_new(parts, new_ids, preamble, reserve=max_new_tokens)
-            yield from self._decode(res, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop)
+        gen = _gen_kwargs(gen)
+        return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r), **gen))
 
     def generate_text(self, text: str, **gen) -> GenerationOutput:
         """Generate from plain text with nothing cached (an ordinary LLM call)."""
@@ -472,35 +458,29 @@ class PromptCache:
         ``top_p`` (``seed`` makes it repeatable). Stops at EOS, at any string in
         ``stop`` (excluded from the text) or after ``max_new_tokens``.
         """
-        out = None
-        for item in self._run(prompt_pml, max_new_tokens, do_sample, temperature, top_p, seed, stop):
-            if isinstance(item, GenerationOutput):
-                out = item
-        assert out is not None, "the generation loop always ends with its output"
-        return out
+        return _final(self._generation(self._prompt_prefill(prompt_pml), max_new_tokens, do_sample, temperature,
+                                       top_p, seed, stop))
 
     def stream(self, prompt_pml: str, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are decoded (same arguments as :meth:`generate`)."""
-        for item in self._run(prompt_pml, **_gen_kwargs(kwargs)):
-            if isinstance(item, str):
-                yield item
+        return _deltas(self._generation(self._prompt_prefill(prompt_pml), **_gen_kwargs(kwargs)))
 
-    def _run(
-        self,
-        prompt_pml: str,
-        max_new_tokens: int = 64,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop=None,
-    ):
+    def _prompt_prefill(self, prompt_pml: str):
+        def prepare(reserve: int) -> PrefillResult:
+            plan, state = self.plan(prompt_pml)
+            return self._prefill(plan, self._states(plan, state), reserve)
+
+        return prepare
+
+    def _generation(self, prepare, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
+                    top_p: float = 1.0, seed: int | None = None, stop=None):
+        """Prefill with ``prepare(reserve)`` and decode; yields text deltas, then the output.
+        TTFT counts from here, so planning and fetching states are included."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         t0 = time.perf_counter()
         with self._lock, torch.no_grad():
-            plan, state = self.plan(prompt_pml)
-            res = self._prefill(plan, self._states(plan, state), reserve=max_new_tokens)
+            res = prepare(max_new_tokens)
             yield from self._decode(res, t0, max_new_tokens, do_sample, temperature, top_p, seed, stop)
 
     @torch.no_grad()
@@ -593,6 +573,21 @@ class PromptCache:
 
 def vars_of(obj) -> dict:
     return {k: getattr(obj, k) for k in obj.__slots__} if hasattr(obj, "__slots__") else dict(vars(obj))
+
+
+def _final(items) -> GenerationOutput:
+    out = None
+    for item in items:
+        if isinstance(item, GenerationOutput):
+            out = item
+    assert out is not None, "the generation loop always ends with its output"
+    return out
+
+
+def _deltas(items) -> Iterator[str]:
+    for item in items:
+        if isinstance(item, str):
+            yield item
 
 
 def _gen_kwargs(kw: dict) -> dict:

@@ -1,0 +1,51 @@
+"""The command line and the document-QA demo app, on the embedded model."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pcache_rag.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_run_prints_answer_and_ttft(tmp_path, smol_dir, capsys):
+    (tmp_path / "s.pml").write_text('<schema name="t"><system>Be brief.</system><module name="d">Oslo is in Norway.</module></schema>')
+    (tmp_path / "p.pml").write_text('<prompt schema="t"><d/><user>Where is Oslo?</user></prompt>')
+    rc = main(["run", "--schema", str(tmp_path / "s.pml"), "--prompt", str(tmp_path / "p.pml"),
+               "--model", str(smol_dir), "--max-new-tokens", "4"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip()
+    assert "ttft" in out.err and "cached" in out.err
+
+
+def test_pml_errors_are_reported_not_raised(tmp_path, smol_dir, capsys):
+    (tmp_path / "s.pml").write_text('<schema name="t"><module name="d">x</schema>')
+    (tmp_path / "p.pml").write_text('<prompt schema="t"><d/>q</prompt>')
+    rc = main(["run", "--schema", str(tmp_path / "s.pml"), "--prompt", str(tmp_path / "p.pml"), "--model", str(smol_dir)])
+    assert rc == 2 and "PML error: line 1" in capsys.readouterr().err
+
+
+def test_ingest_and_ask_compare(tmp_path, smol_dir, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The Nile flows north into the Mediterranean Sea.")
+    (docs / "b.md").write_text("# Cities\n\nParis is the capital of France.")
+    idx = str(tmp_path / "idx")
+    assert main(["ingest", str(docs), "--index", idx, "--model", str(smol_dir), "--chunk-tokens", "32"]) == 0
+    assert "2 added" in capsys.readouterr().out
+    assert main(["ask", "Where does the Nile flow?", "--index", idx, "--model", str(smol_dir), "--k", "2",
+                 "--max-new-tokens", "4", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "[cached]" in out and "[full prefill]" in out and "ratio: x" in out and "a.txt" in out
+
+
+def test_docqa_demo_app_answers_piped_questions(tmp_path, smol_dir):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Sushi is a Japanese dish of rice with fish.")
+    p = subprocess.run([sys.executable, str(ROOT / "demos" / "docqa.py"), str(docs), "--index", str(tmp_path / "i"),
+                        "--model", str(smol_dir), "--max-new-tokens", "6", "--k", "1"],
+                       input="What is sushi?\n\n", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "> What is sushi?" in p.stdout and "a.txt" in p.stdout and "time to first token" in p.stdout
