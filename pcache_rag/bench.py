@@ -1,5 +1,11 @@
 """Benchmarks that report measured numbers side by side with the baseline of the same run.
 
+* ``ttft``: cached prefill vs full prefill across prompt lengths (below);
+* ``store``: bytes per cached token vs the formula, disk throughput, TTFT per tier;
+* ``rag``: end-to-end TTFT (retrieve + assemble + first token) vs the same pipeline with
+  full prefill of the same retrieved text;
+* ``quality``: answer-contained accuracy, cached encodings vs full prefill, same questions.
+
 ``ttft``: for each prompt length, a schema of ~500-token document modules
 filling all but a 32-token question, and three timings, medians of ``repeats``
 runs in one process:

@@ -16,8 +16,11 @@ def _read(path: str) -> str:
 def cmd_run(a) -> int:
     from .engine import PromptCache
 
-    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding)
+    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding, cache_dir=a.cache_dir)
     pc.add_schema(_read(a.schema), progress=True)
+    r = pc.last_report
+    print(f"[schema {r.name}: {r.encoded} units encoded, {r.loaded} loaded from the store, {r.tokens} tokens, "
+          f"{r.seconds:.1f}s]", file=sys.stderr)
     out = None
     prompt = _read(a.prompt)
     if a.stream:
@@ -135,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
     r.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
+    r.add_argument("--cache-dir", default=None, help="keep module states on disk here (warm restarts)")
     r.set_defaults(fn=cmd_run)
 
     b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers), rag (end to end), quality (accuracy)")

@@ -71,6 +71,31 @@ class GenerationOutput:
     finish_reason: str = "length"  # "length" | "eos" | "stop"
 
 
+class _EngineLock:
+    """Serializes engine calls. Unlike an ``RLock`` it may be released by another thread:
+    a stream started in one thread and resumed in others (``asyncio.to_thread(next, it)``)
+    releases it wherever it finishes. A thread that calls the engine while its own
+    stream is still open gets an error instead of a deadlock or a clobbered workspace."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError(
+                "PromptCache is busy in this thread: finish (or close) the running stream before another call"
+            )
+        self._lock.acquire()
+        self._owner = me
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._owner = None
+        self._lock.release()
+
+
 @dataclass(slots=True)
 class _SchemaState:
     layout: SchemaLayout
@@ -132,7 +157,7 @@ class PromptCache:
         self.workspace = Workspace(
             s.n_layers, s.n_kv_heads, s.head_dim, s.head_dim_v, self.adapter.dtype, self.adapter.device, cap
         )
-        self._lock = threading.RLock()
+        self._lock = _EngineLock()
         self.eos_ids = _eos_ids(model, tokenizer)
         self.store = store if store is not None else default_store(self.adapter.device, cache_dir)
         self.store_dtype = store_dtype or self.adapter.dtype
@@ -140,6 +165,14 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         self.last_report: SchemaReport | None = None
+        if getattr(self.adapter, "rerotatable", False):
+            # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
+            # if moved keys do not match keys encoded in place, never move states.
+            try:
+                self.adapter.self_check()
+            except RuntimeError as e:
+                log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
+                self.adapter.rerotatable = False
         #: the output of the most recent generate()/stream() call (stream users read stats here)
         self.last_output: GenerationOutput | None = None
 

@@ -159,3 +159,15 @@ def test_prompt_without_new_text_and_unknown_schema(tok):
         pc.prefill('<prompt schema="s"><a/></prompt>')
     with pytest.raises(PMLError, match="unknown schema 'nope'"):
         pc.prefill('<prompt schema="nope"><a/>q</prompt>')
+
+
+def test_startup_self_check_disables_a_broken_rotation(tok, monkeypatch):
+    from pcache_rag.models import rope
+
+    pc = PromptCache(tiny_model("llama", len(tok)), tok)
+    assert pc.adapter.rerotatable, "a healthy model passes the start-up check"
+    monkeypatch.setattr(rope, "rerotate", lambda keys, delta, inv_freq: keys)  # a wrong rotation
+    bad = PromptCache(tiny_model("llama", len(tok)), tok)
+    assert not bad.adapter.rerotatable
+    with pytest.raises(UnsupportedModelError):
+        bad.place(bad.encode([5, 6, 7], [0, 1, 2]), 10)

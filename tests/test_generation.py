@@ -83,3 +83,34 @@ def test_no_autograd_graph_on_any_path(smol_tok):
     p.generate_text("plain text", max_new_tokens=2)
     p.prefill(PROMPT)
     assert seen and not any(seen)
+
+
+def test_stream_resumed_in_other_threads_releases_the_engine(smol_tok):
+    """A stream advanced from several threads (as asyncio.to_thread does) must not leave the
+    engine locked; re-entering from the thread that holds an open stream is an error."""
+    import threading
+
+    p = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok)
+    p.add_schema(SCHEMA)
+    p.eos_ids = set()
+    it = p.stream(PROMPT, max_new_tokens=4)
+
+    def step():
+        next(it, None)
+
+    for _ in range(6):  # each step on a fresh thread
+        t = threading.Thread(target=step)
+        t.start()
+        t.join(timeout=60)
+    done = []
+    t = threading.Thread(target=lambda: done.append(p.generate(PROMPT, max_new_tokens=2)))
+    t.start()
+    t.join(timeout=60)
+    assert done, "the engine stayed locked after the stream finished"
+
+    open_stream = p.stream(PROMPT, max_new_tokens=4)
+    next(open_stream)
+    with pytest.raises(RuntimeError, match="busy in this thread"):
+        p.prefill(PROMPT)
+    open_stream.close()
+    assert p.prefill(PROMPT).computed_tokens > 0

@@ -169,3 +169,35 @@ def test_langchain_chain_invoke_stream_ainvoke(rag):
 
     out = PromptCacheLLM(rag=rag, max_new_tokens=5).invoke("Say hi.", config={"callbacks": [Count()]})
     assert out and Count.n >= 2
+
+
+def test_chroma_server_via_url(smol, tmp_path, corpus):
+    """``chroma_url`` talks to a chroma server (started here on loopback, stopped after)."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    exe = shutil.which("chroma") or str(Path(sys.executable).with_name("chroma"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen([exe, "run", "--path", str(tmp_path / "srv"), "--host", "127.0.0.1", "--port", str(port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        rag = CachedRAG(tmp_path / "idx", pc=smol, k=1, chunk_tokens=16, chroma_url=f"http://127.0.0.1:{port}")
+        rep = rag.ingest([corpus], progress=False)
+        assert rep.added == 3 and rag.index.count() >= 6 and rag.verify() == []
+        (h,) = rag.retrieve("Which pastry is French?")
+        assert "Croissant" in h.text
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)

@@ -183,6 +183,8 @@ class CachedRAG:
                 else:
                     self._encode(tok_ids, start, key)
                     rep.chunks_encoded += 1
+                    if bar:
+                        bar.set_postfix(file=f.name, chunks_encoded=rep.chunks_encoded, refresh=True)
                 cid = hashlib.sha256(f"{src}\0{sha}\0{c.index}".encode()).hexdigest()[:24]
                 ids.append(cid)
                 keys.append(key)

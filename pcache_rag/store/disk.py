@@ -15,6 +15,7 @@ may share one directory.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import time
@@ -56,8 +57,6 @@ def decode_entry(key: str, data: bytes) -> ModuleKV:
     try:
         t = st.load(blob)
         n = int.from_bytes(blob[:8], "little")
-        import json
-
         meta = json.loads(blob[8 : 8 + n]).get("__metadata__", {})
     except Exception as e:  # noqa: BLE001 - any parse failure is damage
         raise ValueError(f"unreadable safetensors: {e}") from None
