@@ -25,7 +25,6 @@ their reserved positions, and the uncached tokens after the schema's end.
 from __future__ import annotations
 
 import difflib
-import hashlib
 from dataclasses import dataclass, field
 
 from .chat import ChatFormat
@@ -63,13 +62,6 @@ class Unit:
     line: int = 0
     column: int = 0
 
-    def fingerprint(self) -> str:
-        """A digest of what this unit's states depend on within a layout."""
-        h = hashlib.sha256()
-        h.update(self.kind.encode())
-        h.update(repr((self.token_ids, self.position_ids)).encode())
-        return h.hexdigest()[:32]
-
 
 @dataclass(slots=True)
 class SchemaLayout:
@@ -82,9 +74,6 @@ class SchemaLayout:
     unions: list[list[str]]  # member names of each union
     chat: ChatFormat
     source: str = ""  # the schema PML
-
-    def modules(self) -> list[Unit]:
-        return [u for u in self.units.values() if u.kind == "module"]
 
 
 @dataclass(slots=True)
