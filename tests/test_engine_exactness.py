@@ -166,7 +166,7 @@ def test_startup_self_check_disables_a_broken_rotation(tok, monkeypatch):
 
     pc = PromptCache(tiny_model("llama", len(tok)), tok)
     assert pc.adapter.rerotatable, "a healthy model passes the start-up check"
-    monkeypatch.setattr(rope, "rerotate", lambda keys, delta, inv_freq: keys)  # a wrong rotation
+    monkeypatch.setattr(rope, "rerotate", lambda keys, delta, inv_freq, out_dtype=None: keys)  # a wrong rotation
     bad = PromptCache(tiny_model("llama", len(tok)), tok)
     assert not bad.adapter.rerotatable
     with pytest.raises(UnsupportedModelError):

@@ -25,19 +25,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def rerotate(keys: torch.Tensor, delta, inv_freq: torch.Tensor) -> torch.Tensor:
+def rerotate(keys: torch.Tensor, delta, inv_freq: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Keys rotated by RoPE at positions ``p`` -> the same keys at ``p + delta``.
 
     ``keys``: (..., T, head_dim); ``delta``: an int or a (T,) tensor of shifts;
     ``inv_freq``: (head_dim/2,). Angles are formed in float64 so large shifts
-    lose no precision.
+    lose no precision. The result is in ``out_dtype`` (default: the keys' dtype);
+    it is computed in float32 or wider.
     """
+    if isinstance(delta, int):
+        return _rerotate_scalar(keys, delta, inv_freq, out_dtype or keys.dtype)
     d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
     d = d.reshape(-1, 1) if d.ndim else d.reshape(1, 1)  # (T or 1, 1)
     ang = d * inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]  # (T, head_dim/2)
     ang = torch.cat((ang, ang), dim=-1)
     cos, sin = ang.cos().to(keys.dtype), ang.sin().to(keys.dtype)
-    return keys * cos + _rotate_half(keys) * sin
+    out = keys * cos + _rotate_half(keys) * sin
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _rerotate_scalar(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor, out_dtype) -> torch.Tensor:
+    # One shift for every token: cos/sin are (head_dim/2,) vectors, and the rotation is
+    # written half by half into a single output (no rotate_half copy, no temporaries of
+    # the keys' size): lo' = lo*c - hi*s, hi' = hi*c + lo*s.
+    wide = torch.promote_types(out_dtype, torch.float32)
+    ang = float(delta) * inv_freq.to(device=keys.device, dtype=torch.float64)  # (head_dim/2,)
+    c, s = ang.cos().to(wide), ang.sin().to(wide)
+    h = keys.shape[-1] // 2
+    lo, hi = keys[..., :h], keys[..., h:]
+    out = torch.empty(keys.shape, dtype=wide, device=keys.device)
+    o_lo, o_hi = out[..., :h], out[..., h:]
+    torch.mul(lo, c, out=o_lo)
+    o_lo.addcmul_(hi, s, value=-1)
+    torch.mul(hi, c, out=o_hi)
+    o_hi.addcmul_(lo, s)
+    return out if wide == out_dtype else out.to(out_dtype)
 
 
 class RopeAdapter(Adapter):
@@ -61,19 +83,19 @@ class RopeAdapter(Adapter):
         )
         self.fast = use_fast_attention(model)
 
-    def rerotate(self, keys: torch.Tensor, delta) -> torch.Tensor:
+    def rerotate(self, keys: torch.Tensor, delta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if not self.rerotatable:
             raise UnsupportedModelError(
                 f"rope_type {self.rope_type!r} cannot be re-rotated exactly (its frequencies depend on the "
                 "sequence length or it rotates part of the head); encode modules at their slot instead"
             )
-        return rerotate(keys, delta, self.inv_freq)
+        return rerotate(keys, delta, self.inv_freq, out_dtype)
 
     def move(self, kv, delta: int):
         from ..kv import ModuleKV
 
-        # Rotate in float32 (stored states may be fp16), then keep the model's dtype.
-        keys = self.rerotate(kv.keys.float(), delta).to(self.dtype)  # (L, H, T, D)
+        # Rotated in float32 or wider (stored states may be fp16), returned in the model's dtype.
+        keys = self.rerotate(kv.keys, int(delta), out_dtype=self.dtype)  # (L, H, T, D)
         return ModuleKV(keys, kv.values, kv.token_ids, kv.position_ids + delta)
 
     @torch.no_grad()
