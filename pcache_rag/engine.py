@@ -260,11 +260,20 @@ class PromptCache:
                 kvs[i] = self._encode_unit(plan.layout, u, keys[i], state.context[u.name])
         return kvs
 
-    def prefetch(self, prompt_pml: str):
-        """Start moving a prompt's module states to the fastest tier (returns a future, or None)."""
+    def prefetch(self, prompt_pml: str, union_members: bool = False):
+        """Start moving a prompt's module states to the fastest tier (returns a future, or None).
+
+        With ``union_members`` the other members of each imported module's union come
+        along: the likely next imports of a session (the paper's prefetch hint).
+        """
         plan, state = self.plan(prompt_pml)
+        names = [u.name for u in plan.units]
+        if union_members:
+            for u in plan.units:
+                if u.union is not None:
+                    names += [m for m in plan.layout.unions[u.union] if m not in names]
         fn = getattr(self.store, "prefetch", None)
-        return fn([state.keys[u.name] for u in plan.units]) if fn else None
+        return fn([state.keys[n] for n in names]) if fn else None
 
     def schema(self, name: str) -> SchemaLayout:
         try:

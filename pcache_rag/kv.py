@@ -151,8 +151,9 @@ class Workspace:
         for u in units[keep:]:
             end = off + u.length
             # One copy moves the unit for every layer at once.
-            self.k[:, 0, :, off:end].copy_(u.keys)  # (L, H, T, D)
-            self.v[:, 0, :, off:end].copy_(u.values)
+            # non_blocking: from pinned host memory to a GPU the copy overlaps compute
+            self.k[:, 0, :, off:end].copy_(u.keys, non_blocking=True)  # (L, H, T, D)
+            self.v[:, 0, :, off:end].copy_(u.values, non_blocking=True)
             resident.append((u.uid, end))
             copied += u.length
             off = end

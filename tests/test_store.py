@@ -225,3 +225,21 @@ def test_unit_keys_change_with_text_and_position():
     a = unit_key("m", [1, 2], [0, 1])
     assert a != unit_key("m", [1, 3], [0, 1]) and a != unit_key("m", [1, 2], [5, 6]) and a != unit_key("x", [1, 2], [0, 1])
     assert a != unit_key("m", [1, 2], [0, 1], context="pre")
+
+
+def test_prefetch_brings_union_members_along(tmp_path, smol_tok):
+    schema = ('<schema name="u"><system>Hi.</system><union><module name="x">Doc x.</module>'
+              '<module name="y">Doc y here.</module><module name="z">Doc z text.</module></union></schema>')
+    host = MemoryTier("cpu", budget_bytes=1 << 30)
+    store = TieredStore([host, DiskTier(tmp_path / "kv")])
+    pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, store=store)
+    pc.add_schema(schema)
+    keys = pc._schemas["u"].keys
+    for k in keys.values():
+        host.remove(k)
+    prompt = '<prompt schema="u"><x/><user>q</user></prompt>'
+    pc.prefetch(prompt).result(timeout=60)
+    assert store.where(keys["x"]) == "host" and store.where(keys["y"]) == "disk"
+    pc.prefetch(prompt, union_members=True).result(timeout=60)
+    assert all(store.where(keys[m]) == "host" for m in "xyz")
+    store.close()
