@@ -165,6 +165,7 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         self.last_report: SchemaReport | None = None
+        self._context_memo: tuple[str, ModuleKV] | None = None
         if getattr(self.adapter, "rerotatable", False):
             # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
             # if moved keys do not match keys encoded in place, never move states.
@@ -241,13 +242,30 @@ class PromptCache:
         context = None
         if ctx is not None:
             pre = layout.units[layout.preamble]
-            context = self.store.get(ctx)
-            if context is None:
-                context = self._encode_unit(layout, pre, ctx, None)
-            context = context.to(dtype=self.adapter.dtype, device=self.adapter.device)
+            context = self.context_states(ctx, pre.token_ids, pre.position_ids)
         kv = self.encode(u.token_ids, u.position_ids, context=context).to(dtype=self.store_dtype)
         self.store.put(key, kv)
         return kv
+
+    def stored_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
+        """The stored states under ``key``, encoding (and storing) them first if absent."""
+        kv = self.store.get(key)
+        if kv is None:
+            kv = self.encode(token_ids, position_ids).to(dtype=self.store_dtype)
+            self.store.put(key, kv)
+        return kv
+
+    def context_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
+        """A context (the preamble) in the model's dtype, for encoding units that attend to it.
+
+        The last one is memoized: encoding a schema or ingesting a corpus attends to the same
+        preamble for every unit, and it is fetched and converted once, not per unit.
+        """
+        memo = self._context_memo
+        if memo is None or memo[0] != key:
+            kv = self.stored_states(key, token_ids, position_ids)
+            memo = self._context_memo = (key, kv.to(dtype=self.adapter.dtype, device=self.adapter.device))
+        return memo[1]
 
     def _states(self, plan: PromptPlan, state: _SchemaState) -> list[ModuleKV]:
         """The imported units' states, re-encoding any the store lost (evicted or damaged)."""
@@ -300,9 +318,8 @@ class PromptCache:
             values = torch.stack([layer.values[0] for layer in cache.layers])
         else:
             P = context.length
-            cache = DynamicCache(
-                [(context.keys[i][None].clone(), context.values[i][None].clone()) for i in range(context.keys.shape[0])]
-            )
+            # DynamicCache concatenates on update, so the context tensors are never written.
+            cache = DynamicCache([(context.keys[i][None], context.values[i][None]) for i in range(context.keys.shape[0])])
             allowed = torch.ones(T, P + T, dtype=torch.bool, device=dev)
             allowed[:, P:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
             kpos = torch.cat([context.position_ids.to(dev), pos])
@@ -378,41 +395,39 @@ class PromptCache:
             lengths[name] = kv.length
             spans.append((name, off, off + kv.length))
             off += kv.length
-        allowed = torch.zeros(q, C + q, dtype=torch.bool)
+        # (q, C+q): arguments attend to their module's tokens before the slot (and the
+        # preamble), then themselves causally; uncached tokens attend to everything before them.
+        plain = C == 0 and not args  # nothing cached: an ordinary causal prefill
+        allowed = None if plain else torch.zeros(q, C + q, dtype=torch.bool)
         row = 0
         for u, slot, ids in args:
-            a = C + row
-            spans.append((f"{u.name}.{slot.name}", a, a + len(ids)))
+            n, a = len(ids), C + row
+            spans.append((f"{u.name}.{slot.name}", a, a + n))
             m0 = offsets[u.name]
-            for i in range(len(ids)):
-                allowed[row + i, m0 : m0 + slot.offset] = True  # the module's tokens before the slot
-                allowed[row + i, a : a + i + 1] = True  # the argument so far
-                if preamble is not None and preamble in offsets:
-                    allowed[row + i, offsets[preamble] : offsets[preamble] + lengths[preamble]] = True
+            allowed[row : row + n, m0 : m0 + slot.offset] = True
+            if preamble is not None and preamble in offsets:
+                allowed[row : row + n, offsets[preamble] : offsets[preamble] + lengths[preamble]] = True
+            allowed[row : row + n, a : a + n] = torch.ones(n, n, dtype=torch.bool).tril_()
             q_ids.extend(ids)
-            q_pos.extend(range(slot.start, slot.start + len(ids)))
-            row += len(ids)
+            q_pos.extend(range(slot.start, slot.start + n))
+            row += n
         U = len(uncached_ids)
         spans.append(("uncached", C + row, C + row + U))
-        allowed[row:, : C + row] = True
-        allowed[row:, C + row :] = torch.ones(U, U, dtype=torch.bool).tril_()
+        if allowed is not None:
+            allowed[row:, : C + row] = True
+            allowed[row:, C + row :] = torch.ones(U, U, dtype=torch.bool).tril_()
+            allowed = allowed.to(dev)
         q_ids.extend(uncached_ids)
         q_pos.extend(uncached_positions)
 
         ids_t = torch.tensor(q_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(q_pos, dtype=torch.long, device=dev)
         cached_pos = [kv.position_ids for kv in kvs]
-        key_pos = torch.cat(cached_pos + [pos_t.cpu()]).to(dev) if self.adapter.family == "alibi" else None
+        key_pos = None
+        if self.adapter.family == "alibi" and not plain:
+            key_pos = torch.cat(cached_pos + [pos_t.cpu()]).to(dev)
         t2 = time.perf_counter()
-        if C == 0 and not args:
-            # Nothing cached (a full prefill): plain causal attention over contiguous states, the
-            # fast kernel; the states are then copied into the workspace for decoding.
-            fresh = DynamicCache()
-            logits = self.adapter.forward(ids_t, pos_t, fresh, None, None)[-1]
-            for src, dst in zip(fresh.layers, self.workspace.layers):
-                dst.update(src.keys, src.values)
-        else:
-            logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed.to(dev), key_pos)[-1]
+        logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed, key_pos)[-1]
         t3 = time.perf_counter()
         input_ids = torch.cat([kv.token_ids for kv in kvs] + [ids_t.cpu()])
         position_ids = torch.cat(cached_pos + [pos_t.cpu()])
@@ -572,10 +587,10 @@ class PromptCache:
             ids = torch.tensor([tok], dtype=torch.long, device=dev)
             pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
             next_pos += 1
-            kv_len = self.workspace.layers[0].length + 1
-            allowed = torch.ones(1, kv_len, dtype=torch.bool, device=dev)
-            if key_pos is not None:
+            allowed = None  # one new token attends to everything: no mask needed...
+            if key_pos is not None:  # ...except for ALiBi, whose bias comes with its mask
                 key_pos = torch.cat([key_pos, pos])
+                allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
             logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
         if finish != "stop":
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)

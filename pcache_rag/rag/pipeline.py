@@ -111,7 +111,6 @@ class CachedRAG:
         self.preamble_ids = bos_ids(tok) + tok(pre_text, add_special_tokens=False)["input_ids"]
         P = len(self.preamble_ids)
         self.preamble_key = unit_key(self.pc.fingerprint, self.preamble_ids, range(P), None, "rag-preamble")
-        self._preamble: ModuleKV | None = None
 
     # ------------------------------------------------------------------ states
 
@@ -120,16 +119,7 @@ class CachedRAG:
         return len(self.preamble_ids)
 
     def preamble(self) -> ModuleKV:
-        kv = self.pc.store.get(self.preamble_key)
-        if kv is None:
-            kv = self.pc.encode(self.preamble_ids, list(range(len(self.preamble_ids)))).to(dtype=self.pc.store_dtype)
-            self.pc.store.put(self.preamble_key, kv)
-        return kv
-
-    def _context(self) -> tuple[ModuleKV | None, str | None]:
-        if self.pc.encoding != "preamble":
-            return None, None
-        return self.preamble().to(dtype=self.pc.adapter.dtype), self.preamble_key
+        return self.pc.stored_states(self.preamble_key, self.preamble_ids, list(range(len(self.preamble_ids))))
 
     def chunk_ids(self, text: str, source: str) -> list[int]:
         header = f"[{Path(source).name}]\n"
@@ -140,7 +130,9 @@ class CachedRAG:
         return unit_key(self.pc.fingerprint, ids, range(start, start + len(ids)), ctx, "rag-chunk")
 
     def _encode(self, ids: list[int], start: int, key: str) -> ModuleKV:
-        ctx_kv, _ = self._context()
+        ctx_kv = None
+        if self.pc.encoding == "preamble":
+            ctx_kv = self.pc.context_states(self.preamble_key, self.preamble_ids, list(range(len(self.preamble_ids))))
         kv = self.pc.encode(ids, list(range(start, start + len(ids))), context=ctx_kv).to(dtype=self.pc.store_dtype)
         self.pc.store.put(key, kv)
         return kv
