@@ -35,7 +35,8 @@ from .kv import ModuleKV, Workspace
 from .models import adapter_for
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
-from .pml.layout import PromptPlan, Unit
+from .pml.layout import PromptPlan, Unit, bos_ids
+from .tokens import safe_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class PromptCache:
         self.encoding = encoding
         self.adapter = adapter_for(model)
         self.chat = chat_format_for(tokenizer)
+        #: tokenizes untrusted text without control tokens (see :mod:`pcache_rag.tokens`)
+        self.safe = safe_tokenizer(tokenizer)
         self.max_positions = self.adapter.max_positions
         self._schemas: dict[str, _SchemaState] = {}
         s = self.adapter.kv_shape
@@ -488,14 +491,18 @@ class PromptCache:
         gen = _gen_kwargs(gen)
         return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r), **gen))
 
+    def text_ids(self, text: str) -> list[int]:
+        """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings
+        in it stay characters (:mod:`pcache_rag.tokens`)."""
+        return bos_ids(self.tokenizer) + self.safe.text(text)
+
     def generate_text(self, text: str, **gen) -> GenerationOutput:
-        """Generate from plain text with nothing cached (an ordinary LLM call)."""
-        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self.generate_parts([], ids, **gen)
+        """Generate from plain text with nothing cached (an ordinary LLM call). The text is never
+        read as chat markup; use a PML prompt with role tags for a chat turn."""
+        return self.generate_parts([], self.text_ids(text), **gen)
 
     def stream_text(self, text: str, **gen) -> Iterator[str]:
-        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self.stream_parts([], ids, **gen)
+        return self.stream_parts([], self.text_ids(text), **gen)
 
     # ------------------------------------------------------------------ generation
 

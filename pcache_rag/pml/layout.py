@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from ..tokens import safe_tokenizer
 from .chat import ChatFormat
 from .errors import PMLError
 from .parser import Import, Module, Param, Prompt, Role, Scaffold, Schema, Text, Union, parse_prompt, parse_schema
@@ -89,15 +90,17 @@ class PromptPlan:
 
 
 class _Tok:
-    """Tokenizes text pieces with no special tokens added."""
+    """Tokenizes with no special tokens added. A ``str`` is text (never a control token);
+    a list of ``(text, is_markup)`` segments lets chat markup keep its control tokens
+    (:mod:`pcache_rag.tokens`)."""
 
     def __init__(self, tokenizer):
-        self.t = tokenizer
+        self.t = safe_tokenizer(tokenizer)
 
-    def __call__(self, text: str) -> list[int]:
-        if not text:
-            return []
-        return list(self.t(text, add_special_tokens=False)["input_ids"])
+    def __call__(self, text: "str | list[tuple[str, bool]]") -> list[int]:
+        if isinstance(text, str):
+            return self.t.text(text)
+        return self.t.segments(text)
 
 
 def bos_ids(tokenizer) -> list[int]:
@@ -118,7 +121,7 @@ class _Layouter:
         self.unions: list[list[str]] = []
         self.anon: Unit | None = None  # the open anonymous unit, if text is accumulating
         self.n_anon = 0
-        self.pending: list[str] = []  # text waiting to be tokenized for `owner`
+        self.pending: list[tuple[str, bool]] = []  # (text, is_markup) waiting to be tokenized for `owner`
         self.owner: Unit | None = None
 
     # Text accumulates per owner and is tokenized at structural boundaries, so
@@ -127,13 +130,13 @@ class _Layouter:
         if self.owner is None or not self.pending:
             self.pending = []
             return
-        ids = self.tok("".join(self.pending))
+        ids = self.tok(self.pending)
         self.pending = []
         self.owner.token_ids.extend(ids)
         self.owner.position_ids.extend(range(self.pos, self.pos + len(ids)))
         self.pos += len(ids)
 
-    def text(self, s: str, owner: Unit | None) -> None:
+    def text(self, s: str, owner: Unit | None, markup: bool = False) -> None:
         if not s:
             return
         if owner is None:  # top level: anonymous unit
@@ -146,7 +149,7 @@ class _Layouter:
         if owner is not self.owner:
             self.flush()
             self.owner = owner
-        self.pending.append(s)
+        self.pending.append((s, markup))
 
     def close_anon(self) -> None:
         self.flush()
@@ -160,9 +163,9 @@ class _Layouter:
             if isinstance(n, Text):
                 self.text(n.text, owner)
             elif isinstance(n, Role):
-                self.text(self.chat.prefix[n.role], owner)
+                self.text(self.chat.prefix[n.role], owner, markup=True)
                 self.nodes(n.body, owner)
-                self.text(self.chat.suffix[n.role], owner)
+                self.text(self.chat.suffix[n.role], owner, markup=True)
             elif isinstance(n, Param):
                 assert owner is not None, "the parser only allows params inside modules"
                 if scaffold is not None or owner.scaffold is not None:
@@ -374,18 +377,21 @@ def plan_prompt(
             units.append(u)
     units.sort(key=lambda u: (u.start, u.kind != "anonymous"))
     # Uncached text, in prompt order.
-    parts: list[str] = []
+    # (text, is_markup): only the chat format's markup may produce control tokens.
+    parts: list[tuple[str, bool]] = []
     body = prompt.body
     last = next((n for n in reversed(body) if not (isinstance(n, Text) and not n.text.strip())), None)
     for n in body:
         if isinstance(n, Text):
-            parts.append(n.text)
+            parts.append((n.text, False))
         elif isinstance(n, Role):
-            content = "".join(t.text for t in n.body)
-            parts.append(chat.wrap(n.role, content, close=not (n is last and n.role == "assistant")))
+            parts.append((chat.prefix[n.role], True))
+            parts.append(("".join(t.text for t in n.body), False))
+            if not (n is last and n.role == "assistant"):
+                parts.append((chat.suffix[n.role], True))
     if isinstance(last, Role) and last.role in ("user", "system"):
-        parts.append(chat.generation_prompt)
-    uncached = tok("".join(parts))
+        parts.append((chat.generation_prompt, True))
+    uncached = tok(parts)
     positions = list(range(layout.length, layout.length + len(uncached)))
     if max_positions is not None and layout.length + len(uncached) > max_positions:
         raise PMLError(

@@ -107,8 +107,10 @@ class CachedRAG:
         tok, chat = self.pc.tokenizer, self.pc.chat
         from ..pml import bos_ids
 
-        pre_text = chat.wrap("system", system_prompt) + chat.prefix["user"] + "Documents:\n\n"
-        self.preamble_ids = bos_ids(tok) + tok(pre_text, add_special_tokens=False)["input_ids"]
+        self.preamble_ids = bos_ids(tok) + self.pc.safe.segments([
+            (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
+            (chat.prefix["user"], True), ("Documents:\n\n", False),
+        ])
         P = len(self.preamble_ids)
         self.preamble_key = unit_key(self.pc.fingerprint, self.preamble_ids, range(P), None, "rag-preamble")
 
@@ -123,7 +125,7 @@ class CachedRAG:
 
     def chunk_ids(self, text: str, source: str) -> list[int]:
         header = f"[{Path(source).name}]\n"
-        return self.pc.tokenizer(header + text + "\n\n", add_special_tokens=False)["input_ids"]
+        return self.pc.safe.text(header + text + "\n\n")  # file names and documents are text, never markup
 
     def _key(self, ids: list[int], start: int) -> str:
         ctx = self.preamble_key if self.pc.encoding == "preamble" else None
@@ -232,8 +234,9 @@ class CachedRAG:
 
     def question_ids(self, question: str) -> list[int]:
         chat = self.pc.chat
-        text = f"Question: {question}" + chat.suffix["user"] + chat.generation_prompt
-        return self.pc.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # The question is text: control-token strings in it stay characters.
+        return self.pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
+                                      (chat.generation_prompt, True)])
 
     def _parts(self, handles: list[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
         parts = [("preamble", self.preamble())]
