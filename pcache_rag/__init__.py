@@ -5,9 +5,10 @@ states are computed once; a prompt that imports them computes only its new
 tokens. See README.md for the two commands that run everything.
 """
 
-from .engine import GenerationOutput, PrefillResult, PromptCache
+from .engine import ContextOverflowError, GenerationOutput, PrefillResult, PromptCache
 from .models import UnsupportedModelError
 from .pml import PMLError, escape
 
 __version__ = "0.1.0"
-__all__ = ["PromptCache", "PMLError", "PrefillResult", "GenerationOutput", "UnsupportedModelError", "escape"]
+__all__ = ["PromptCache", "PMLError", "PrefillResult", "GenerationOutput", "UnsupportedModelError", "escape",
+           "ContextOverflowError"]

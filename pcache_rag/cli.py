@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .fsutil import shown
+
 
 def _read(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
@@ -73,30 +75,79 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def _rag(a):
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def _rag(a, create: bool):
     from .engine import PromptCache
     from .rag import CachedRAG
 
     pc = PromptCache.from_pretrained(a.model, cache_dir=str(Path(a.index).expanduser() / "kv"), encoding=a.encoding)
-    return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", 512),
-                     chroma_url=a.chroma_url)
+    return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
+                     chroma_url=a.chroma_url, create=create)
 
 
 def cmd_ingest(a) -> int:
-    rag = _rag(a)
-    rep = rag.ingest(a.paths, progress=True)
+    from .rag import check_index_dir, scan
+
+    if not a.paths and not (a.prune or a.repair):
+        print("pcache-rag: give files or directories to ingest (or --prune / --repair alone)", file=sys.stderr)
+        return 2
+    # Validate everything cheap before the model loads.
+    check_index_dir(a.index, create=True)
+    scan(a.paths)
+    rag = _rag(a, create=True)
+    rep = rag.ingest(a.paths, progress=True, encode=a.encode, prune=a.prune)
+    if rep.rebuilt_from:
+        print(f"warning: the damaged chroma folder was moved to {shown(rep.rebuilt_from)}; the index was rebuilt "
+              "from the paths given", file=sys.stderr)
+    for note in rep.notes:
+        print(f"note: {shown(note)}", file=sys.stderr)
+    for fix in rep.repaired:
+        print(f"repaired: {shown(fix)}", file=sys.stderr)
+    for path, why in rep.skipped:
+        print(f"skipped: {shown(path)}: {why}", file=sys.stderr)
+    extra = f", {rep.pruned} pruned" if a.prune else ""
+    lazy = f", {rep.chunks_lazy} left to encode on first use" if rep.chunks_lazy else ""
     print(
-        f"files: {rep.added} added, {rep.changed} changed, {rep.unchanged} unchanged, {rep.removed} removed; "
-        f"chunks: {rep.chunks_encoded} encoded, {rep.chunks_reused} already cached; {rep.seconds:.1f}s"
+        f"files: {rep.added} added, {rep.changed} changed, {rep.unchanged} unchanged, {rep.removed} removed{extra}, "
+        f"{rep.empty} empty, {len(rep.skipped)} skipped; chunks: {rep.chunks_encoded} encoded, "
+        f"{rep.chunks_reused} already cached{lazy}; {rep.seconds:.1f}s"
     )
-    missing = rag.verify()
-    if missing:
-        print(f"warning: {len(missing)} chunks lack cached states (they will be re-encoded on use)", file=sys.stderr)
+    v = rag.verify()
+    for line in v.lines():
+        print(f"warning: {shown(line)}", file=sys.stderr)
+    if rep.skipped:
+        print(f"pcache-rag: {len(rep.skipped)} files were skipped (listed above)", file=sys.stderr)
+        return 1
     return 0
 
 
+def cmd_verify(a) -> int:
+    rag = _rag(a, create=False)
+    v = rag.verify()
+    for line in v.lines():
+        print(shown(line))
+    print("clean" if v.clean else "problems found: `pcache-rag ingest --repair --index DIR` fixes them "
+          "(`--prune` removes sources that are gone)")
+    return 0 if v.clean else 1
+
+
 def cmd_ask(a) -> int:
-    rag = _rag(a)
+    from .rag import check_index_dir
+
+    if not a.question.strip():
+        print("pcache-rag: the question is empty", file=sys.stderr)
+        return 2
+    check_index_dir(a.index, create=False)
+    rag = _rag(a, create=False)
     if rag.index.count() == 0:
         print(f"the index at {a.index} is empty: run `pcache-rag ingest PATH --index {a.index}` first", file=sys.stderr)
         return 2
@@ -111,7 +162,7 @@ def cmd_ask(a) -> int:
         print(f"[{name}] {ans.text.strip()}")
     print("\nsources:")
     for h in handles:
-        print(f"  {h.score:.2f}  {h.source}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
+        print(f"  {h.score:.2f}  {shown(h.source)}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
     for name, ans in runs:
         print(f"{name:>12}: ttft {ans.ttft_s * 1000:.0f} ms (retrieve {ans.retrieve_s * 1000:.0f} ms); "
               f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}")
@@ -143,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers), rag (end to end), quality (accuracy)")
     b.add_argument("what", choices=("ttft", "store", "rag", "quality"))
-    b.add_argument("--k", type=int, default=4, help="rag: chunks per question")
+    b.add_argument("--k", type=_positive, default=4, help="rag: chunks per question")
     b.add_argument("--plain-distractors", action="store_true",
                    help="quality: distractor documents state no competing facts")
     b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
@@ -162,15 +213,25 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
 
     i = sub.add_parser("ingest", help="index documents: chunk, embed into chroma, encode KV states")
-    i.add_argument("paths", nargs="+", help="files or directories (.txt, .md, .rst)")
+    i.add_argument("paths", nargs="*", help="files or directories (.txt, .md, .rst)")
     rag_args(i)
-    i.add_argument("--chunk-tokens", type=int, default=512)
+    i.add_argument("--chunk-tokens", type=_positive, default=None,
+                   help="chunk size in model tokens (default: the index's own, 512 for a new one)")
+    i.add_argument("--encode", choices=("eager", "lazy"), default="eager",
+                   help="eager: encode states now (refused above the store budget); lazy: on first use")
+    i.add_argument("--prune", action="store_true", help="also remove indexed files that no longer exist")
+    i.add_argument("--repair", action="store_true",
+                   help="fix what verify finds (ingest always does; this allows running without paths)")
     i.set_defaults(fn=cmd_ingest)
+
+    v = sub.add_parser("verify", help="check an index against its files and its KV store")
+    rag_args(v)
+    v.set_defaults(fn=cmd_verify)
 
     q = sub.add_parser("ask", help="answer a question from an index")
     q.add_argument("question")
     rag_args(q)
-    q.add_argument("--k", type=int, default=4, help="chunks to retrieve")
+    q.add_argument("--k", type=_positive, default=4, help="chunks to retrieve")
     q.add_argument("--max-new-tokens", type=int, default=64)
     q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
@@ -189,13 +250,15 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .pml import PMLError
 
+    from .rag import IndexDamagedError, IngestTooLargeError
+
     try:
         return a.fn(a)
     except PMLError as e:
-        print(f"pcache-rag: PML error: {e}", file=sys.stderr)
+        print(f"pcache-rag: PML error: {shown(str(e))}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:
-        print(f"pcache-rag: {e}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, IndexDamagedError, IngestTooLargeError) as e:
+        print(f"pcache-rag: {shown(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -44,6 +44,10 @@ ENCODINGS = ("isolated", "preamble")
 DEFAULT_ENCODING = "preamble"  # measured better than "isolated": `pcache-rag bench quality`, README
 
 
+class ContextOverflowError(ValueError):
+    """A prompt needs more positions than the model takes (not a PML error: no PML may be involved)."""
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """The outcome of prefilling one prompt against cached states."""
@@ -475,7 +479,7 @@ class PromptCache:
         start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
         pos = list(range(start, start + len(new_ids)))
         if pos[-1] >= self.max_positions:
-            raise PMLError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
+            raise ContextOverflowError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
         pre = preamble if self.encoding == "preamble" else None
         return self._prefill_parts(
             [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve

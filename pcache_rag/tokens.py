@@ -84,6 +84,18 @@ class SafeTokenizer:
             )
         return list(ids)
 
+    def text_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`text` of many strings (batched in the fast backend)."""
+        if self._first is None or not texts:
+            return [self.text(t) for t in texts]
+        out = []
+        for s, enc in zip(texts, self._first.encode_batch(list(texts), add_special_tokens=False)):
+            ids = enc.ids
+            if not self.control_ids.isdisjoint(ids):
+                ids = self.text(s)
+            out.append(list(ids))
+        return out
+
     def _spell_out(self, s: str, enc) -> list[int]:
         """The vocabulary itself merged text into a control token (its BPE merges reach it):
         encode that token's characters one by one instead."""

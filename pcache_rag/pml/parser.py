@@ -43,6 +43,9 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:\-]*")
 _ENTITY_RE = re.compile(r"&(?:(lt|gt|amp|quot|apos)|#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6}));")
 _NAMED = {"lt": "<", "gt": ">", "amp": "&", "quot": '"', "apos": "'"}
 MAX_PARAM_LEN = 4096
+#: deepest element nesting a document may have (a schema needs a handful; this bounds the
+#: recursive layout and planning code, so hostile input gets a PMLError, not a RecursionError)
+MAX_DEPTH = 64
 
 
 # ----------------------------------------------------------------------------
@@ -315,6 +318,10 @@ class _Reader:
                 stack[-1].children.append(el)
             if not el.self_closing:
                 stack.append(el)
+                if len(stack) > MAX_DEPTH:
+                    raise self.error(
+                        f"elements are nested more than {MAX_DEPTH} deep; flatten the document", start
+                    )
             after_tag = True
         flush(before_tag=False)
         if stack:

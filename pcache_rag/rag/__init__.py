@@ -1,8 +1,11 @@
 """RAG over cached documents: ingestion, the chroma index, handle retrieval, answering."""
 
-from .chunking import Chunk, find_files, split_tokens
+from .chunking import Chunk, SkipFile, find_files, scan, split_tokens
 from .embed import MiniLMEmbedder
-from .pipeline import DEFAULT_SYSTEM, CachedRAG, IngestReport, ModuleHandle, RAGAnswer
+from .index import IndexDamagedError
+from .pipeline import (DEFAULT_SYSTEM, CachedRAG, IngestReport, IngestTooLargeError, ModuleHandle, RAGAnswer,
+                       VerifyReport, check_index_dir)
 
-__all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "MiniLMEmbedder", "Chunk", "find_files",
-           "split_tokens", "DEFAULT_SYSTEM"]
+__all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "VerifyReport", "MiniLMEmbedder", "Chunk",
+           "find_files", "scan", "split_tokens", "SkipFile", "DEFAULT_SYSTEM", "IndexDamagedError",
+           "IngestTooLargeError", "check_index_dir"]

@@ -1,18 +1,32 @@
-"""Read documents and split them into chunks sized in the LLM's tokens.
+"""Find and read documents, and split them into chunks sized in the LLM's tokens.
 
 Chunks become cached modules, so their size is counted with the tokenizer of
 the model that will read them. Paragraphs (blank-line separated) are packed
 greedily up to ``chunk_tokens``; a paragraph longer than that is cut at token
 boundaries. Text is never dropped or reordered.
+
+Reading never stops a whole run on one bad file: :func:`scan` returns the
+files to read plus ``(path, reason)`` for each one skipped (unsupported type,
+broken link, unreadable), and :func:`read_document` raises :class:`SkipFile`
+for content that is not text. Text is decoded as UTF-8 when it is valid UTF-8,
+else with the encoding ``charset-normalizer`` detects (a well-kept detector,
+rather than our own guesswork); a file is never stored with replacement
+characters in silence.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+
+
+class SkipFile(Exception):
+    """A file that cannot be ingested; the message is the reason."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,54 +36,144 @@ class Chunk:
     n_tokens: int
 
 
-def read_text(path: Path) -> str:
-    """The text of a supported file (UTF-8; undecodable bytes replaced)."""
+@dataclass(slots=True, frozen=True)
+class Document:
+    text: str
+    encoding: str  # "utf-8", or the detected one
+    note: str = ""  # what a user should know about how it was read (a detected encoding)
+
+
+def _looks_binary(data: bytes) -> bool:
+    head = data[:8192]
+    if not head:
+        return False
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with a byte-order mark is text
+        return False
+    if b"\x00" in head:
+        return True
+    ctrl = sum(1 for b in head if b < 32 and b not in (9, 10, 12, 13, 27, 8))
+    return ctrl / len(head) > 0.05
+
+
+def decode_text(data: bytes, name: str = "") -> Document:
+    """Decode ``data`` as text, or raise :class:`SkipFile` if it is not text."""
+    if _looks_binary(data):
+        raise SkipFile("binary content, not text")
+    try:
+        return Document(data.decode("utf-8-sig"), "utf-8")
+    except UnicodeDecodeError:
+        pass
+    from charset_normalizer import from_bytes
+
+    best = from_bytes(data).best()
+    if best is None:
+        raise SkipFile("not valid UTF-8 and no text encoding fits")
+    return Document(str(best), best.encoding, f"not UTF-8; decoded as {best.encoding} (detected)")
+
+
+def read_document(path: Path) -> Document:
+    """The text of a supported file; :class:`SkipFile` says why a file cannot be read."""
     if path.suffix.lower() not in TEXT_SUFFIXES:
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (supported: {', '.join(TEXT_SUFFIXES)})")
-    return path.read_text(encoding="utf-8", errors="replace")
+        raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(TEXT_SUFFIXES)})")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SkipFile(f"cannot be read: {e.strerror or e}") from None
+    return decode_text(data, str(path))
+
+
+def read_text(path: Path) -> str:
+    """The text of a supported file (see :func:`read_document`)."""
+    try:
+        return read_document(path).text
+    except SkipFile as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Supported files under ``paths`` (files or directories, recursively), resolved and sorted,
+    and ``(path, reason)`` for every file skipped. A path that does not exist is an error."""
+    out: set[Path] = set()
+    skipped: list[tuple[Path, str]] = []
+    for p in paths:
+        p = Path(p).expanduser()
+        if not p.exists() and not p.is_symlink():
+            raise FileNotFoundError(f"{p} does not exist")
+        if p.is_dir():
+            for root, _dirs, files in os.walk(p, followlinks=False):
+                for name in sorted(files):
+                    _consider(Path(root) / name, out, skipped, explicit=False)
+        else:
+            _consider(p, out, skipped, explicit=True)
+    return sorted(out), skipped
+
+
+def _consider(f: Path, out: set[Path], skipped: list, explicit: bool) -> None:
+    # The type is judged by the name as found (a link "notes.md" to a file without an
+    # extension is a markdown file); the link's target is what gets read.
+    if f.suffix.lower() not in TEXT_SUFFIXES:
+        if explicit:
+            skipped.append((f, f"unsupported file type {f.suffix or '(none)'!r}"))
+        return
+    try:
+        target = f.resolve(strict=True)
+    except (OSError, RuntimeError):
+        skipped.append((f, "broken link" if f.is_symlink() else "cannot be resolved"))
+        return
+    if not target.is_file():
+        skipped.append((f, "not a regular file"))
+        return
+    out.add(target if not f.is_symlink() else f.absolute())
 
 
 def find_files(paths) -> list[Path]:
-    """Supported files under ``paths`` (files or directories, recursively), sorted."""
-    out: set[Path] = set()
-    for p in paths:
-        p = Path(p).expanduser()
-        if p.is_dir():
-            out.update(f.resolve() for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-        elif p.is_file():
-            out.add(p.resolve())
-        else:
-            raise FileNotFoundError(f"{p} does not exist")
-    return sorted(out)
+    """Supported files under ``paths`` (see :func:`scan`, which also says what was skipped)."""
+    return scan(paths)[0]
 
 
-def split_tokens(text: str, tokenizer, chunk_tokens: int) -> list[Chunk]:
-    """Pack paragraphs into chunks of at most ``chunk_tokens`` tokens."""
+_PARA = re.compile(r"(?<=\n)\s*\n")
+
+
+def split_tokens(text: str, tokenizer, chunk_tokens: int,
+                 progress: Callable[[int], None] | None = None) -> list[Chunk]:
+    """Pack paragraphs into chunks of at most ``chunk_tokens`` tokens.
+
+    Each paragraph is tokenized once (linear in the text); ``progress(n_chars)`` is called as
+    paragraphs are consumed, so a bar can move during a long file.
+    """
+    from ..tokens import safe_tokenizer
+
     if chunk_tokens < 16:
         raise ValueError("chunk_tokens must be at least 16")
-
-    def count(s: str) -> int:
-        return len(tokenizer(s, add_special_tokens=False)["input_ids"])
-
-    pieces: list[str] = []
-    for para in re.split(r"(?<=\n)\s*\n", text):  # keep each paragraph's own text
-        if not para.strip():
-            continue
-        if count(para) <= chunk_tokens:
-            pieces.append(para)
-            continue
-        ids = tokenizer(para, add_special_tokens=False)["input_ids"]
-        for i in range(0, len(ids), chunk_tokens):
-            pieces.append(tokenizer.decode(ids[i : i + chunk_tokens]))
+    st = safe_tokenizer(tokenizer)
+    paras = [p for p in _PARA.split(text) if p.strip()]
+    pieces: list[tuple[str, int]] = []
+    step = 512
+    for i in range(0, len(paras), step):
+        batch = paras[i : i + step]
+        for para, ids in zip(batch, st.text_many(batch)):
+            if len(ids) <= chunk_tokens:
+                pieces.append((para, len(ids)))
+                continue
+            for j in range(0, len(ids), chunk_tokens):
+                part = ids[j : j + chunk_tokens]
+                pieces.append((tokenizer.decode(part), len(part)))
+        if progress is not None:
+            progress(sum(len(p) for p in batch))
     chunks: list[Chunk] = []
-    cur, cur_n = "", 0
-    for piece in pieces:
-        n = count(piece)
-        if cur and cur_n + n > chunk_tokens:
-            chunks.append(Chunk(cur.strip("\n"), len(chunks), cur_n))
-            cur, cur_n = "", 0
-        cur = cur + ("\n" if cur else "") + piece
-        cur_n = count(cur)
-    if cur.strip():
-        chunks.append(Chunk(cur.strip("\n"), len(chunks), cur_n))
-    return chunks
+    cur: list[str] = []
+    cur_n = 0
+    for piece, n in pieces:
+        # joining adds a newline, which may cost a token: count it
+        if cur and cur_n + 1 + n > chunk_tokens:
+            chunks.append(_chunk(cur, len(chunks), cur_n))
+            cur, cur_n = [], 0
+        cur_n += n + (1 if cur else 0)
+        cur.append(piece)
+    if cur:
+        chunks.append(_chunk(cur, len(chunks), cur_n))
+    return [c for c in chunks if c.text.strip()]
+
+
+def _chunk(pieces: list[str], index: int, n: int) -> Chunk:
+    return Chunk("\n".join(pieces).strip("\n"), index, n)

@@ -3,13 +3,44 @@
 Embedded ``PersistentClient`` by default, or a chroma server's URL
 (``HttpClient``). Embeddings are computed by pcache-rag and passed in, so
 chroma never loads (or downloads) an embedding model of its own.
+
+Chroma holds the index itself (there is nothing to re-encode it from), so a
+damaged ``chroma.sqlite3`` is not healed silently: opening it raises
+:class:`IndexDamagedError`, which names the file and says to re-ingest; an
+ingest moves the damaged folder aside and rebuilds it from the documents.
+Chroma rebuilds its HNSW files from its own log when they are damaged, which
+``tests/test_hardening.py`` checks.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 COLLECTION = "pcache-chunks"
+
+
+class IndexDamagedError(RuntimeError):
+    """The chroma database of an index cannot be read."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path = path
+        super().__init__(
+            f"the index database {path} is damaged ({reason}); rebuild it with "
+            f"`pcache-rag ingest PATH... --index {path.parent.parent}` (the damaged copy is kept aside)"
+        )
+
+
+def _check_sqlite(db: Path) -> None:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        res = con.execute("PRAGMA quick_check").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise IndexDamagedError(db, str(e)) from None
+    finally:
+        con.close()
+    if not res or res[0] != "ok":
+        raise IndexDamagedError(db, f"integrity check: {res[0] if res else 'no answer'}")
 
 
 class ChromaIndex:
@@ -17,6 +48,8 @@ class ChromaIndex:
         import chromadb
 
         settings = chromadb.Settings(anonymized_telemetry=False)
+        self.path = Path(path)
+        self.db = None if url else self.path / "chroma.sqlite3"
         if url:
             from urllib.parse import urlparse
 
@@ -24,10 +57,49 @@ class ChromaIndex:
             self.client = chromadb.HttpClient(host=u.hostname or "localhost", port=u.port or 8000,
                                               ssl=u.scheme == "https", settings=settings)
         else:
-            self.client = chromadb.PersistentClient(path=str(path), settings=settings)
-        self.col = self.client.get_or_create_collection(
-            collection, embedding_function=None, metadata={"hnsw:space": "cosine"}
-        )
+            if self.db.exists():
+                _check_sqlite(self.db)
+            try:
+                # chroma caches one client per path in the process: a folder replaced on disk
+                # (rebuilt after damage) must not be served from the old one
+                from chromadb.api.shared_system_client import SharedSystemClient
+
+                SharedSystemClient._identifier_to_system.pop(str(self.path), None)
+            except Exception:  # noqa: BLE001 - an internal that moved: at worst the cached client is reused
+                pass
+            try:
+                self.client = chromadb.PersistentClient(path=str(path), settings=settings)
+            except Exception as e:  # noqa: BLE001 - chroma raises its own InternalError types
+                raise IndexDamagedError(self.db, str(e)) from None
+        try:
+            self.col = self.client.get_or_create_collection(
+                collection, embedding_function=None, metadata={"hnsw:space": "cosine"}
+            )
+        except Exception as e:  # noqa: BLE001
+            if self.db is None:
+                raise
+            raise IndexDamagedError(self.db, str(e)) from None
+
+    def delete_where_source(self, source: str) -> list[str]:
+        """Delete every chunk of ``source`` (whatever version); returns their kv keys."""
+        got = self.col.get(where={"source": source}, include=["metadatas"])
+        if got["ids"]:
+            self.col.delete(ids=got["ids"])
+        return [m["kv_key"] for m in got["metadatas"]]
+
+    def referenced(self, kv_keys) -> set[str]:
+        """Those of ``kv_keys`` that some chunk still uses."""
+        keys = list(set(kv_keys))
+        out: set[str] = set()
+        for i in range(0, len(keys), 500):
+            got = self.col.get(where={"kv_key": {"$in": keys[i : i + 500]}}, include=["metadatas"])
+            out.update(m["kv_key"] for m in got["metadatas"])
+        return out
+
+    def chunks(self) -> list[tuple[str, dict]]:
+        """``[(id, metadata)]`` of every chunk."""
+        got = self.col.get(include=["metadatas"])
+        return list(zip(got["ids"], got["metadatas"]))
 
     def add(self, ids, embeddings, documents, metadatas) -> None:
         for i in range(0, len(ids), 1000):  # stay under chroma's batch limit
@@ -38,12 +110,14 @@ class ChromaIndex:
         if ids:
             self.col.delete(ids=list(ids))
 
-    def sources(self) -> dict[str, tuple[str, list[str], list[str]]]:
-        """source -> (sha, chunk ids, kv keys) of everything indexed."""
+    def sources(self) -> dict[str, tuple[set[str], list[str], list[str]]]:
+        """source -> (shas, chunk ids, kv keys) of everything indexed. More than one sha means
+        versions of a file were left side by side (an ingest that must reconcile it)."""
         got = self.col.get(include=["metadatas"])
-        out: dict[str, tuple[str, list[str], list[str]]] = {}
+        out: dict[str, tuple[set[str], list[str], list[str]]] = {}
         for cid, m in zip(got["ids"], got["metadatas"]):
-            sha, ids, keys = out.setdefault(m["source"], (m["sha"], [], []))
+            shas, ids, keys = out.setdefault(m["source"], (set(), [], []))
+            shas.add(m["sha"])
             ids.append(cid)
             keys.append(m["kv_key"])
         return out

@@ -29,18 +29,22 @@ as PML, so markup typed by a user cannot import a module.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine import GenerationOutput, PromptCache
+from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..store import unit_key
-from .chunking import find_files, read_text, split_tokens
+from ..fsutil import quarantine
+from .chunking import SkipFile, read_document, scan, split_tokens
 from .embed import MiniLMEmbedder
-from .index import ChromaIndex
+from .index import ChromaIndex, IndexDamagedError
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +81,57 @@ class IngestReport:
     added: int = 0
     changed: int = 0
     unchanged: int = 0
-    removed: int = 0
+    removed: int = 0  # files under the given paths that are gone
+    pruned: int = 0  # sources anywhere that are gone (``prune=True``)
+    empty: int = 0  # files with no text (not indexed, not an error)
     chunks_encoded: int = 0
     chunks_reused: int = 0  # states already in the store (resumed or shared)
+    chunks_lazy: int = 0  # indexed without states (``encode="lazy"``): encoded on first use
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): not indexed
+    notes: list[str] = field(default_factory=list)  # e.g. a file decoded from a detected encoding
+    repaired: list[str] = field(default_factory=list)  # problems found and fixed
+    rebuilt_from: str | None = None  # where a damaged chroma folder was moved before rebuilding
+    projected_tokens: int = 0  # tokens to encode, counted before encoding
+    projected_bytes: int = 0  # bytes of states they take in the store
     seconds: float = 0.0
 
 
+@dataclass(slots=True)
+class VerifyReport:
+    """What :meth:`CachedRAG.verify` found; ``clean`` when every list is empty."""
+
+    missing_states: list[str] = field(default_factory=list)  # chunk ids whose states the store lacks
+    stale: list[str] = field(default_factory=list)  # chunk ids of a version their source no longer has
+    duplicates: list[str] = field(default_factory=list)  # chunk ids whose (source, chunk) appears twice
+    missing_sources: list[str] = field(default_factory=list)  # indexed files that no longer exist
+    store: list[str] = field(default_factory=list)  # problems of the disk tier (rows vs files)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing_states or self.stale or self.duplicates or self.missing_sources or self.store)
+
+    def lines(self) -> list[str]:
+        out = []
+        for name in ("missing_states", "stale", "duplicates", "missing_sources"):
+            v = getattr(self, name)
+            if v:
+                out.append(f"{len(v)} {name.replace('_', ' ')}: {', '.join(v[:5])}{' ...' if len(v) > 5 else ''}")
+        out.extend(self.store)
+        return out
+
+
+MANIFEST = "pcache-index.json"
+_FORMAT = "pcache-index-1"
+
+
 class CachedRAG:
-    """Ingest documents into chroma + the KV store, and answer questions from cached states."""
+    """Ingest documents into chroma + the KV store, and answer questions from cached states.
+
+    ``index_dir`` holds chroma (``chroma/``), the KV store (``kv/``) and a small manifest;
+    it must be a new or empty directory or an existing index (``create=False``: it must
+    exist). ``chunk_tokens`` defaults to the index's own (512 for a new one); ``k`` chunks
+    of that size must fit the model's context with the question.
+    """
 
     def __init__(
         self,
@@ -92,27 +139,96 @@ class CachedRAG:
         pc: PromptCache | None = None,
         model: str | None = None,
         k: int = 4,
-        chunk_tokens: int = 512,
+        chunk_tokens: int | None = None,
         system_prompt: str = DEFAULT_SYSTEM,
         chroma_url: str | None = None,
         embedder: MiniLMEmbedder | None = None,
+        create: bool = True,
     ):
-        self.index_dir = Path(index_dir).expanduser()
-        self.index_dir.mkdir(parents=True, exist_ok=True)
+        self.index_dir = check_index_dir(index_dir, create)
+        self.k = _check_k(k)
+        self.manifest = _read_manifest(self.index_dir)
+        built = self.manifest.get("chunk_tokens")
+        if chunk_tokens is not None and built and self.manifest.get("chunks") and chunk_tokens != built:
+            raise ValueError(
+                f"the index {self.index_dir} was built with chunk_tokens={built}; ingest with "
+                f"--chunk-tokens {built}, or use a new index directory for chunk_tokens={chunk_tokens}"
+            )
+        self.chunk_tokens = int(chunk_tokens or built or 512)
+        if self.chunk_tokens < 16:
+            raise ValueError("chunk_tokens must be at least 16")
         self.pc = pc if pc is not None else PromptCache.from_pretrained(model, cache_dir=str(self.index_dir / "kv"))
-        self.k = k
-        self.chunk_tokens = chunk_tokens
         self.embedder = embedder or MiniLMEmbedder()
-        self.index = ChromaIndex(self.index_dir / "chroma", url=chroma_url)
+        self.chroma_url = chroma_url
+        self._index: ChromaIndex | None = None
+        self._index_error: Exception | None = None
+        self._open_index()
         tok, chat = self.pc.tokenizer, self.pc.chat
         from ..pml import bos_ids
 
+        # The system prompt is text like any other: only the template's markup is markup.
         self.preamble_ids = bos_ids(tok) + self.pc.safe.segments([
             (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
             (chat.prefix["user"], True), ("Documents:\n\n", False),
         ])
         P = len(self.preamble_ids)
         self.preamble_key = unit_key(self.pc.fingerprint, self.preamble_ids, range(P), None, "rag-preamble")
+        self.check_fits(self.k)
+
+    # ------------------------------------------------------------------ the index directory
+
+    def _open_index(self) -> None:
+        try:
+            self._index = ChromaIndex(self.index_dir / "chroma", url=self.chroma_url)
+            self._index_error = None
+            n = self.manifest.get("chunks")
+            if self.chroma_url is None and n and self._index.count() == 0:
+                raise IndexDamagedError(self.index_dir / "chroma" / "chroma.sqlite3",
+                                        f"it lists no chunks, but the index had {n}")
+        except IndexDamagedError as e:
+            self._index, self._index_error = None, e
+
+    @property
+    def index(self) -> ChromaIndex:
+        """The chroma side; raises :class:`IndexDamagedError` if its database is damaged
+        (an ingest rebuilds it)."""
+        if self._index is None:
+            raise self._index_error  # type: ignore[misc]
+        return self._index
+
+    def _rebuild_index(self) -> str:
+        err = self._index_error
+        self._index = None
+        folder = self.index_dir / "chroma"
+        moved = quarantine(folder) if folder.exists() else folder
+        log.warning("%s; moved to %s and rebuilt from the documents given to this ingest", err, moved)
+        self._open_index()
+        if self._index is None:
+            raise self._index_error  # type: ignore[misc]
+        return str(moved)
+
+    def _lock(self):
+        """An exclusive lock on the index for the length of an ingest (other processes wait)."""
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.index_dir / ".ingest.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.warning("another ingest holds %s; waiting for it", self.index_dir)
+            lock.acquire()
+        return lock
+
+    def check_fits(self, k: int) -> None:
+        """Refuse a ``k`` x ``chunk_tokens`` that cannot fit the model's context with a question."""
+        need = len(self.preamble_ids) + k * (self.chunk_tokens + _HEADER_ALLOWANCE) + _QUESTION_ALLOWANCE
+        if need > self.pc.max_positions:
+            fit = (self.pc.max_positions - len(self.preamble_ids) - _QUESTION_ALLOWANCE) // k - _HEADER_ALLOWANCE
+            raise ValueError(
+                f"k={k} chunks of up to {self.chunk_tokens} tokens need about {need} positions with the "
+                f"question, but the model takes {self.pc.max_positions}: use chunk_tokens <= {max(fit, 0)} "
+                f"or a smaller k"
+            )
 
     # ------------------------------------------------------------------ states
 
@@ -141,84 +257,262 @@ class CachedRAG:
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, paths, progress: bool = True) -> IngestReport:
-        """Index files (or directories of them): new and changed files are chunked, embedded and
-        encoded; unchanged files cost nothing; files under ``paths`` that were indexed before
-        and are gone now are removed from chroma and the store."""
+    def ingest(self, paths, progress: bool = True, encode: str = "eager", prune: bool = False,
+               repair: bool = True) -> IngestReport:
+        """Index files (or directories of them).
+
+        New and changed files are read, chunked, embedded and (``encode="eager"``) encoded;
+        unchanged files cost nothing; files under ``paths`` that were indexed before and are
+        gone now are removed. One bad file never stops the run: it is listed in
+        ``report.skipped`` with its reason. Before encoding, the states' size is projected and
+        the ingest is refused (:class:`IngestTooLargeError`) if it exceeds the store's budget;
+        ``encode="lazy"`` indexes without states (encoded on first use). ``prune`` also removes
+        every indexed source that no longer exists; ``repair`` fixes what :meth:`verify` finds
+        (stale or duplicate chunks, missing states, store rows without files).
+        A lock on the index directory makes concurrent ingests take turns.
+        """
+        if encode not in ("eager", "lazy"):
+            raise ValueError(f"encode must be 'eager' or 'lazy', not {encode!r}")
         t0 = time.perf_counter()
         rep = IngestReport()
-        files = find_files(paths)
-        roots = [Path(p).expanduser().resolve() for p in paths]
-        known = self.index.sources()  # source -> (sha, [ids], [kv keys])
+        files, skipped = scan(paths)  # validates paths before any work
+        rep.skipped.extend((str(p), r) for p, r in skipped)
+        lock = self._lock()
+        try:
+            if self._index is None:
+                rep.rebuilt_from = self._rebuild_index()
+            self._ingest_locked(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode)
+            if prune:
+                rep.pruned = self.prune()
+            if repair:
+                rep.repaired = self.repair()
+            self._write_manifest()
+        finally:
+            lock.release()
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _say(self, progress: bool, msg: str) -> None:
+        if progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            log.info(msg)
+
+    def _ingest_locked(self, files: list[Path], roots: list[Path], rep: IngestReport, progress: bool,
+                       encode: str) -> None:
+        known = self.index.sources()  # source -> (shas, [ids], [kv keys])
         self.preamble()
+        start = self.canonical_start
+        # 1. read and chunk what changed (a bar over the bytes, moving during long files)
+        work: list[tuple[str, str, list, list[list[int]]]] = []  # (source, sha, chunks, token ids)
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(files), desc="ingest", unit="file")
-        start = self.canonical_start
+            total = sum(_size(f) for f in files)
+            bar = tqdm(total=total, desc="read+chunk", unit="B", unit_scale=True)
         for f in files:
             src = str(f)
-            text = read_text(f)
-            sha = hashlib.sha256(text.encode()).hexdigest()
+            nbytes = _size(f)
+            try:
+                doc = read_document(f)
+            except SkipFile as e:
+                rep.skipped.append((src, str(e)))
+                if bar:
+                    bar.update(nbytes)
+                continue
+            if doc.note:
+                rep.notes.append(f"{src}: {doc.note}")
+            sha = hashlib.sha256(doc.text.encode()).hexdigest()
             old = known.pop(src, None)
-            if old is not None and old[0] == sha:
+            if old is not None and old[0] == {sha}:
                 rep.unchanged += 1
                 if bar:
-                    bar.update(1)
+                    bar.update(nbytes)
                 continue
-            chunks = [c for c in split_tokens(text, self.pc.tokenizer, self.chunk_tokens)]
-            ids, keys, metas, docs = [], [], [], []
-            for c in chunks:
-                tok_ids = self.chunk_ids(c.text, src)
-                key = self._key(tok_ids, start)
-                if self.pc.store.contains(key):
-                    rep.chunks_reused += 1
-                else:
-                    self._encode(tok_ids, start, key)
-                    rep.chunks_encoded += 1
-                    if bar:
-                        bar.set_postfix(file=f.name, chunks_encoded=rep.chunks_encoded, refresh=True)
-                cid = hashlib.sha256(f"{src}\0{sha}\0{c.index}".encode()).hexdigest()[:24]
-                ids.append(cid)
-                keys.append(key)
-                docs.append(c.text)
-                metas.append({"source": src, "sha": sha, "chunk": c.index, "n_tokens": len(tok_ids), "kv_key": key})
-            embs = self.embedder.embed(docs)
-            # States first, then chroma: chroma never names a chunk without states.
+            if not doc.text.strip():
+                rep.empty += 1
+                if old is not None:
+                    self._release(self.index.delete_where_source(src))
+                if bar:
+                    bar.update(nbytes)
+                continue
+            ratio = nbytes / max(len(doc.text), 1)
+            tick = (lambda n, r=ratio: bar.update(int(n * r))) if bar else None
+            chunks = split_tokens(doc.text, self.pc.tokenizer, self.chunk_tokens, progress=tick)
+            work.append((src, sha, chunks, [self.chunk_ids(c.text, src) for c in chunks]))
             if old is not None:
-                self.index.delete(old[1])
-                for k in set(old[2]) - set(keys):
-                    self.pc.store.remove(k)
                 rep.changed += 1
             else:
                 rep.added += 1
-            if ids:
-                self.index.add(ids, embs, docs, metas)
-            if bar:
-                bar.update(1)
-        for src, (sha, ids, keys) in known.items():
+        if bar:
+            bar.close()
+        # 2. project the states' size (and, once the first chunk is encoded, the time)
+        todo: dict[str, tuple[list[int], int]] = {}
+        for src, _sha, _chunks, ids_list in work:
+            for ids in ids_list:
+                key = self._key(ids, start)
+                if key not in todo and not self.pc.store.contains(key):
+                    todo[key] = (ids, start)
+        rep.projected_tokens = sum(len(ids) for ids, _ in todo.values())
+        bpt = self.pc.adapter.kv_shape.bytes_per_token(_element_size(self.pc.store_dtype))
+        rep.projected_bytes = rep.projected_tokens * bpt
+        if encode == "eager" and todo:
+            budget = _store_budget(self.pc.store)
+            self._say(progress, f"to encode: {len(todo)} chunks, {rep.projected_tokens} tokens, "
+                                f"{_human(rep.projected_bytes)} of states (store budget {_human(budget)})")
+            if budget is not None and rep.projected_bytes > budget:
+                raise IngestTooLargeError(
+                    f"encoding {len(todo)} chunks ({rep.projected_tokens} tokens) needs {_human(rep.projected_bytes)} "
+                    f"of states, more than the store's budget of {_human(budget)}; ingest with "
+                    f"--encode lazy (states made on first use), a larger disk budget, or fewer files"
+                )
+        # 3. encode, then commit each file to chroma (states first: chroma never names a
+        #    chunk without states, so a killed ingest resumes without re-encoding)
+        bar = None
+        if progress and encode == "eager" and todo:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(todo), desc="encode", unit="chunk")
+        t_enc, n_enc = 0.0, 0
+        for src, sha, chunks, ids_list in work:
+            keys, metas, docs, cids = [], [], [], []
+            for c, ids in zip(chunks, ids_list):
+                key = self._key(ids, start)
+                lazy = False
+                if key in todo and encode == "eager":
+                    t1 = time.perf_counter()
+                    self._encode(ids, start, key)
+                    t_enc += time.perf_counter() - t1
+                    n_enc += 1
+                    todo.pop(key)
+                    rep.chunks_encoded += 1
+                    if n_enc == 1 and len(todo) > 1:
+                        self._say(progress, f"projected encoding time: ~{_duration(t_enc * (len(todo) + 1))}")
+                    if bar:
+                        bar.update(1)
+                elif key in todo:
+                    lazy = True
+                    rep.chunks_lazy += 1
+                else:
+                    rep.chunks_reused += 1
+                cids.append(hashlib.sha256(f"{src}\0{sha}\0{c.index}".encode()).hexdigest()[:24])
+                keys.append(key)
+                docs.append(c.text)
+                metas.append({"source": src, "sha": sha, "chunk": c.index, "n_tokens": len(ids), "kv_key": key,
+                              "lazy": lazy})
+            embs = self.embedder.embed(docs)
+            # Reconcile by source: every earlier version of this file goes, whoever wrote it.
+            old_keys = self.index.delete_where_source(src)
+            self.index.add(cids, embs, docs, metas)
+            self._release(set(old_keys) - set(keys))
+        if bar:
+            bar.close()
+        for src, (_shas, ids, keys) in known.items():
             p = Path(src)
             if any(p == r or r in p.parents for r in roots) and not p.exists():
                 self.index.delete(ids)
-                for k in keys:
-                    self.pc.store.remove(k)
+                self._release(keys)
                 rep.removed += 1
-        if bar:
-            bar.close()
-        rep.seconds = time.perf_counter() - t0
+
+    def _release(self, keys) -> None:
+        """Remove the states of ``keys`` that no chunk uses any more (identical files share states)."""
+        keys = set(keys)
+        if not keys:
+            return
+        for k in keys - self.index.referenced(keys):
+            self.pc.store.remove(k)
+
+    def prune(self) -> int:
+        """Remove every indexed source whose file no longer exists (a renamed or deleted folder);
+        returns how many were removed."""
+        n = 0
+        for src, (_shas, ids, keys) in self.index.sources().items():
+            if not Path(src).exists():
+                self.index.delete(ids)
+                self._release(keys)
+                n += 1
+        if n:
+            self._write_manifest()
+        return n
+
+    def verify(self, store: bool = True) -> VerifyReport:
+        """Check the index against the files and the store (see :class:`VerifyReport`)."""
+        rep = VerifyReport()
+        chunks = self.index.chunks()
+        current: dict[str, str | None] = {}
+        for _cid, m in chunks:
+            src = m["source"]
+            if src not in current:
+                current[src] = _current_sha(Path(src))
+                if current[src] is None and not Path(src).exists():
+                    rep.missing_sources.append(src)
+        seen: dict[tuple[str, int], list[tuple[str, dict]]] = {}
+        for cid, m in chunks:
+            cur = current[m["source"]]
+            if cur is not None and m["sha"] != cur:
+                rep.stale.append(cid)
+            seen.setdefault((m["source"], int(m["chunk"])), []).append((cid, m))
+            if not m.get("lazy") and not self.pc.store.contains(m["kv_key"]):
+                rep.missing_states.append(cid)
+        for (_src, _i), group in seen.items():
+            if len(group) > 1:
+                cur = current[group[0][1]["source"]]
+                rep.duplicates.extend(cid for cid, m in group if m["sha"] != cur or cur is None)
+        disk = getattr(self.pc.store, "disk", None)
+        if store and disk is not None:
+            rep.store.extend(disk.check())
         return rep
 
-    def verify(self) -> list[str]:
-        """Ids of chunks that chroma lists but whose states the store lacks (should be empty)."""
-        return [cid for cid, key in self.index.keys().items() if not self.pc.store.contains(key)]
+    def repair(self) -> list[str]:
+        """Fix what :meth:`verify` finds, except sources that are gone (see :meth:`prune`):
+        stale and duplicate chunks are dropped (their file is re-ingested if no current
+        version is indexed), missing states are encoded from the indexed text, and the disk
+        tier's rows without files and files without rows are removed. Returns what was fixed."""
+        v = self.verify(store=False)
+        fixed: list[str] = []
+        disk = getattr(self.pc.store, "disk", None)
+        if disk is not None:
+            fixed.extend(disk.check(repair=True))
+        drop = set(v.stale) | set(v.duplicates)
+        if drop:
+            chunks = dict(self.index.chunks())
+            srcs = {chunks[c]["source"] for c in drop if c in chunks}
+            keys = [chunks[c]["kv_key"] for c in drop if c in chunks]
+            self.index.delete(sorted(drop))
+            self._release(keys)
+            fixed.append(f"removed {len(drop)} stale or duplicate chunks of {len(srcs)} files")
+            have = set(self.index.sources())
+            again = [s for s in srcs if s not in have and Path(s).exists()]
+            if again:
+                self._ingest_locked([Path(s) for s in again], [], IngestReport(), False, "eager")
+                fixed.append(f"re-ingested {len(again)} files that had no current version")
+        if v.missing_states:
+            got = self.index.col.get(ids=v.missing_states, include=["documents", "metadatas"])
+            for doc, m in zip(got["documents"], got["metadatas"]):
+                self._encode(self.chunk_ids(doc, m["source"]), self.canonical_start, m["kv_key"])
+            fixed.append(f"encoded {len(got['ids'])} chunks whose states were missing")
+        return fixed
+
+    def _write_manifest(self) -> None:
+        try:
+            n = self.index.count()
+        except Exception:  # noqa: BLE001 - a count that fails leaves the old manifest
+            return
+        self.manifest = {"format": _FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n}
+        tmp = self.index_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        os.replace(tmp, self.index_dir / MANIFEST)
 
     # ------------------------------------------------------------------ retrieve and answer
 
     def retrieve(self, question: str, k: int | None = None, prefetch: bool = True) -> list[ModuleHandle]:
         """The ``k`` closest chunks as handles, best first; their states start moving to the
         fastest tier at once (``prefetch``)."""
-        k = k or self.k
+        k = self.k if k is None else _check_k(k)
+        _check_question(question)
         hits = self.index.query(self.embedder.embed([question])[0], k)
         handles = [
             ModuleHandle(
@@ -231,6 +525,19 @@ class CachedRAG:
         if prefetch and fn is not None and handles:
             fn([h.kv_key for h in handles])
         return handles
+
+    def _fit_question(self, question: str, handles: list[ModuleHandle], gen: dict) -> list[int]:
+        """The question's ids, or :class:`ContextOverflowError` if the prompt cannot fit."""
+        q = self.question_ids(question)
+        ctx = len(self.preamble_ids) + sum(h.n_tokens or len(self.chunk_ids(h.text, h.source)) for h in handles)
+        need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
+        if need > self.pc.max_positions:
+            raise ContextOverflowError(
+                f"the question is {len(q)} tokens; with {len(handles)} chunks ({ctx} tokens) and "
+                f"{gen.get('max_new_tokens', 64)} new tokens the prompt needs {need} positions, but the model "
+                f"takes {self.pc.max_positions}: shorten the question or retrieve fewer chunks"
+            )
+        return q
 
     def question_ids(self, question: str) -> list[int]:
         chat = self.pc.chat
@@ -260,17 +567,21 @@ class CachedRAG:
                **gen) -> RAGAnswer:
         """Retrieve (unless ``handles`` are given), assemble cached states, generate."""
         t0 = time.perf_counter()
+        _check_question(question)
         if handles is None:
             handles = self.retrieve(question, k)
         t_ret = time.perf_counter() - t0
-        out = self.pc.generate_parts(self._parts(handles), self.question_ids(question), preamble="preamble", **gen)
+        q_ids = self._fit_question(question, handles, gen)
+        out = self.pc.generate_parts(self._parts(handles), q_ids, preamble="preamble", **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def stream(self, question: str, k: int | None = None, handles: list[ModuleHandle] | None = None,
                **gen) -> Iterator[str]:
+        _check_question(question)
         if handles is None:
             handles = self.retrieve(question, k)
-        return self.pc.stream_parts(self._parts(handles), self.question_ids(question), preamble="preamble", **gen)
+        q_ids = self._fit_question(question, handles, gen)
+        return self.pc.stream_parts(self._parts(handles), q_ids, preamble="preamble", **gen)
 
     def full_prompt_ids(self, question: str, handles: list[ModuleHandle]) -> list[int]:
         """The same tokens the cached path reads, for a full prefill."""
@@ -283,11 +594,114 @@ class CachedRAG:
                             handles: list[ModuleHandle] | None = None, **gen) -> RAGAnswer:
         """The baseline: the same retrieved text, prefilled in full (nothing reused)."""
         t0 = time.perf_counter()
+        _check_question(question)
         if handles is None:
             handles = self.retrieve(question, k, prefetch=False)
         t_ret = time.perf_counter() - t0
+        self._fit_question(question, handles, gen)
         out = self.pc.generate_parts([], self.full_prompt_ids(question, handles), **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def close(self) -> None:
         self.pc.store.close()
+
+
+# Room kept per chunk for its file-name header, and for the question and the answer.
+_HEADER_ALLOWANCE = 32
+_QUESTION_ALLOWANCE = 128
+
+
+class IngestTooLargeError(RuntimeError):
+    """The states an ingest would encode exceed the store's budget."""
+
+
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer (chunks to retrieve), not {k!r}")
+    return k
+
+
+def _check_question(question) -> None:
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("the question is empty")
+
+
+def check_index_dir(path: str | Path, create: bool = True) -> Path:
+    """Validate an index directory before anything is loaded: it may be new, empty, or an
+    index; never a file or a folder of other things (documents would get chroma/ and kv/)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"the index must be a directory, but {p} is a file")
+    if p.is_dir():
+        names = {c.name for c in p.iterdir()}
+        ours = {MANIFEST, "chroma", "kv", ".ingest.lock"}
+        if names and not (names & ours):
+            raise ValueError(
+                f"{p} holds other files and is not a pcache-rag index; point the index at a new or empty "
+                f"directory (documents are given to ingest separately)"
+            )
+        if not create and not (names & {MANIFEST, "chroma"}):
+            raise FileNotFoundError(f"{p} is not an index yet: run `pcache-rag ingest PATH... --index {p}` first")
+    elif not create:
+        raise FileNotFoundError(f"no index at {p}: run `pcache-rag ingest PATH... --index {p}` first")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _read_manifest(index_dir: Path) -> dict:
+    f = index_dir / MANIFEST
+    if not f.exists():
+        return {}
+    try:
+        m = json.loads(f.read_text(encoding="utf-8"))
+        if not isinstance(m, dict) or m.get("format") != _FORMAT:
+            raise ValueError("unknown format")
+        return m
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        log.warning("index manifest %s is unreadable (%s); it is rewritten at the next ingest", f, e)
+        return {}
+
+
+def _current_sha(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(read_document(path).text.encode()).hexdigest()
+    except (SkipFile, OSError):
+        return None
+
+
+def _size(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except OSError:
+        return 0
+
+
+def _element_size(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _store_budget(store) -> int | None:
+    disk = getattr(store, "disk", None)
+    if disk is not None:
+        return int(disk.size_limit)
+    return None
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"

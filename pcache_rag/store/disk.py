@@ -10,6 +10,15 @@ ever unpickled: values are raw bytes and safetensors only parses tensors.
 diskcache writes a value's file before committing its index row in SQLite, so
 a process killed during a write leaves no visible entry, and several processes
 may share one directory.
+
+The index database can itself be damaged (a flipped byte, a truncated file).
+A cache must never take the application down: the tier checks the database
+when it opens it and whenever SQLite reports damage, moves the whole directory
+aside as ``<dir>.damaged-<time>`` (kept for inspection), starts an empty one and
+logs one warning; the engine re-encodes on demand. ``contains`` agrees with
+``get``: an index row whose value file is gone counts as absent and is dropped.
+:meth:`DiskTier.check` lists rows without files and files without rows, and
+repairs them.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -26,6 +37,7 @@ import safetensors.torch as st
 import torch
 
 from ..kv import ModuleKV
+from ..fsutil import quarantine
 from .base import KVStore, TierStats
 
 log = logging.getLogger(__name__)
@@ -68,6 +80,14 @@ def decode_entry(key: str, data: bytes) -> ModuleKV:
     return ModuleKV(k, v, ids, pos)
 
 
+def _is_damage(e: BaseException) -> bool:
+    """SQLite errors that mean a damaged file (not a busy or locked one)."""
+    msg = str(e).lower()
+    return isinstance(e, sqlite3.DatabaseError) and any(
+        w in msg for w in ("malformed", "not a database", "corrupt", "no such table", "disk i/o error")
+    )
+
+
 class DiskTier(KVStore):
     """KV entries in ``directory`` (diskcache), within ``size_limit`` bytes."""
 
@@ -81,23 +101,89 @@ class DiskTier(KVStore):
         if policy not in _DC_POLICY:
             raise ValueError(f"disk eviction policy must be one of {sorted(_DC_POLICY)}, not {policy!r}")
         self.size_limit = int(size_limit)
-        self._dc = diskcache.Cache(
+        self._policy = policy
+        #: where a damaged directory was moved, if that happened in this process
+        self.quarantined: list[Path] = []
+        self._stats = TierStats()
+        self._dc = self._open()
+
+    def _open(self) -> diskcache.Cache:
+        db = self.directory / "cache.db"
+        try:
+            if db.exists() and db.stat().st_size > 0:
+                con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+                try:
+                    res = con.execute("PRAGMA quick_check").fetchone()
+                finally:
+                    con.close()
+                if not res or res[0] != "ok":
+                    raise sqlite3.DatabaseError(f"database disk image is malformed ({res[0] if res else 'no answer'})")
+            return self._make()
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                raise
+            return self._rebuild(e)
+
+    def _make(self) -> diskcache.Cache:
+        return diskcache.Cache(
             str(self.directory),
             size_limit=self.size_limit,
-            eviction_policy=_DC_POLICY[policy],
+            eviction_policy=_DC_POLICY[self._policy],
             statistics=False,
             disk_min_file_size=0,  # every entry is a file: one integrity story for all sizes
         )
-        self._stats = TierStats()
+
+    def _rebuild(self, err: BaseException) -> diskcache.Cache:
+        old = getattr(self, "_dc", None)
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - closing a damaged database may fail too
+                pass
+        moved = quarantine(self.directory)
+        self.quarantined.append(moved)
+        self._stats.corrupt += 1
+        log.warning("KV store index %s is damaged (%s): moved to %s, starting empty; states are re-encoded on use",
+                    self.directory / "cache.db", err, moved)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._dc = self._make()
+        return self._dc
+
+    def _guard(self, fn, *args, **kw):
+        """Run a diskcache call; on database damage rebuild once and run it again."""
+        try:
+            return fn(self._dc, *args, **kw)
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                raise
+            self._rebuild(e)
+            return fn(self._dc, *args, **kw)
+
+    def _file_of(self, dc: diskcache.Cache, key: str):
+        """``(row exists, value file path or None)``. diskcache has no public call for the file
+        name of an entry, so its documented ``Cache`` table is read directly."""
+        row = dc._sql("SELECT filename FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone()
+        if row is None:
+            return False, None
+        return True, (self.directory / row[0]) if row[0] else None
 
     def contains(self, key: str) -> bool:
-        return key in self._dc
+        def run(dc):
+            exists, f = self._file_of(dc, key)
+            return exists and (f is None or f.exists())
+
+        return self._guard(run)
 
     def get(self, key: str) -> ModuleKV | None:
         t0 = time.perf_counter()
-        data = self._dc.get(key, default=None, retry=True)
+        data = self._guard(lambda dc: dc.get(key, default=None, retry=True))
         if data is None:
             self._stats.misses += 1
+            if self._guard(lambda dc: self._file_of(dc, key)[0]):
+                # a row whose value file is gone: drop it so the next put writes it back
+                log.warning("dropping KV entry %s from %s: its value file is missing", key[:16], self.directory)
+                self._stats.corrupt += 1
+                self._guard(lambda dc: dc.delete(key, retry=True))
             return None
         try:
             kv = decode_entry(key, bytes(data))
@@ -105,28 +191,57 @@ class DiskTier(KVStore):
             log.warning("dropping damaged KV entry %s from %s: %s", key[:16], self.directory, e)
             self._stats.corrupt += 1
             self._stats.misses += 1
-            self._dc.delete(key, retry=True)
+            self._guard(lambda dc: dc.delete(key, retry=True))
             return None
         self._stats.hits += 1
         self._stats.load_s += time.perf_counter() - t0
         return kv
 
     def put(self, key: str, kv: ModuleKV) -> list[tuple[str, ModuleKV]]:
-        self._dc.set(key, encode_entry(key, kv), retry=True)
+        blob = encode_entry(key, kv)
+        self._guard(lambda dc: dc.set(key, blob, retry=True))
         self._stats.puts += 1
         return []  # diskcache culls by its own policy; the last tier has nowhere to demote to
 
     def remove(self, key: str) -> bool:
-        return bool(self._dc.delete(key, retry=True))
+        return bool(self._guard(lambda dc: dc.delete(key, retry=True)))
 
     def keys(self) -> list[str]:
-        return list(self._dc.iterkeys())
+        return self._guard(lambda dc: list(dc.iterkeys()))
+
+    def check(self, repair: bool = False) -> list[str]:
+        """Problems of the directory: index rows whose value file is missing, and value files
+        no row names (left by a truncated or replaced index). With ``repair`` they are removed.
+        (Damaged values are found, and dropped, when read.)"""
+
+        def run(dc):
+            rows = dc._sql("SELECT key, filename FROM Cache WHERE filename IS NOT NULL").fetchall()
+            named = set()
+            problems = []
+            for key, fn in rows:
+                named.add(os.path.normpath(fn))
+                if not (self.directory / fn).exists():
+                    problems.append(f"kv entry {str(key)[:16]}: value file {fn} is missing")
+                    if repair:
+                        dc.delete(key, retry=True)
+            for root, _dirs, files in os.walk(self.directory):
+                for f in files:
+                    if not f.endswith(".val"):
+                        continue
+                    rel = os.path.normpath(os.path.relpath(os.path.join(root, f), self.directory))
+                    if rel not in named:
+                        problems.append(f"kv file {rel} belongs to no entry")
+                        if repair:
+                            os.remove(os.path.join(self.directory, rel))
+            return problems
+
+        return self._guard(run)
 
     def close(self) -> None:
         self._dc.close()
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.bytes = int(self._dc.volume())
-        s.entries = len(self._dc)
+        s.bytes = int(self._guard(lambda dc: dc.volume()))
+        s.entries = self._guard(lambda dc: len(dc))
         return s
