@@ -65,10 +65,18 @@ def decode_text(data: bytes, name: str = "") -> Document:
         pass
     from charset_normalizer import from_bytes
 
-    best = from_bytes(data).best()
-    if best is None:
+    matches = list(from_bytes(data))
+    if not matches:
         raise SkipFile("not valid UTF-8 and no text encoding fits")
+    # Short texts fit several single-byte code pages equally well; among the equally good,
+    # prefer the Western ones (the most common non-UTF-8 files) over the detector's order.
+    top = min((m.percent_chaos, -m.percent_coherence) for m in matches)
+    tied = [m for m in matches if (m.percent_chaos, -m.percent_coherence) == top]
+    best = next((m for pref in _WESTERN for m in tied if m.encoding == pref), tied[0])
     return Document(str(best), best.encoding, f"not UTF-8; decoded as {best.encoding} (detected)")
+
+
+_WESTERN = ("cp1252", "latin_1", "iso8859_15")
 
 
 def read_document(path: Path) -> Document:

@@ -201,6 +201,7 @@ class CachedRAG:
         self._index = None
         folder = self.index_dir / "chroma"
         moved = quarantine(folder) if folder.exists() else folder
+        self.manifest.pop("chunks", None)  # the count belonged to the damaged database
         log.warning("%s; moved to %s and rebuilt from the documents given to this ingest", err, moved)
         self._open_index()
         if self._index is None:
