@@ -89,7 +89,12 @@ def _rag(a, create: bool):
     from .engine import PromptCache
     from .rag import CachedRAG
 
-    pc = PromptCache.from_pretrained(a.model, cache_dir=str(Path(a.index).expanduser() / "kv"), encoding=a.encoding)
+    from .store import default_store
+
+    budget = int(a.disk_budget * (1 << 30)) if a.disk_budget else None
+    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding,
+                                     store=default_store("cpu", Path(a.index).expanduser() / "kv",
+                                                         disk_budget=budget))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create)
 
@@ -211,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--model", default=None, help="local model folder or .gguf (default: embedded SmolLM2)")
         x.add_argument("--chroma-url", default=None, help="use a chroma server instead of the embedded one")
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
+        x.add_argument("--disk-budget", type=float, default=None, metavar="GB",
+                       help="KV store disk budget in GiB (default: half the free disk, at most 64)")
 
     i = sub.add_parser("ingest", help="index documents: chunk, embed into chroma, encode KV states")
     i.add_argument("paths", nargs="*", help="files or directories (.txt, .md, .rst)")

@@ -368,18 +368,20 @@ class CachedRAG:
                 raise IngestTooLargeError(
                     f"encoding {len(todo)} chunks ({rep.projected_tokens} tokens) needs {_human(rep.projected_bytes)} "
                     f"of states, more than the store's budget of {_human(budget)}; ingest with "
-                    f"--encode lazy (states made on first use), a larger disk budget, or fewer files"
+                    f"--encode lazy (states made on first use), a larger --disk-budget, or fewer files"
                 )
         # 3. encode, then commit each file to chroma (states first: chroma never names a
         #    chunk without states, so a killed ingest resumes without re-encoding)
         bar = None
-        if progress and encode == "eager" and todo:
+        if progress and work:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(todo), desc="encode", unit="chunk")
+            bar = tqdm(total=sum(len(w[2]) for w in work), desc="encode+index" if encode == "eager" else "index",
+                       unit="chunk")
         t_enc, n_enc = 0.0, 0
         for src, sha, chunks, ids_list in work:
             keys, metas, docs, cids = [], [], [], []
+            done_here = 0
             for c, ids in zip(chunks, ids_list):
                 key = self._key(ids, start)
                 lazy = False
@@ -394,6 +396,7 @@ class CachedRAG:
                         self._say(progress, f"projected encoding time: ~{_duration(t_enc * (len(todo) + 1))}")
                     if bar:
                         bar.update(1)
+                        done_here += 1
                 elif key in todo:
                     lazy = True
                     rep.chunks_lazy += 1
@@ -409,6 +412,8 @@ class CachedRAG:
             old_keys = self.index.delete_where_source(src)
             self.index.add(cids, embs, docs, metas)
             self._release(set(old_keys) - set(keys))
+            if bar:
+                bar.update(len(chunks) - done_here)
         if bar:
             bar.close()
         for src, (_shas, ids, keys) in known.items():
