@@ -36,6 +36,7 @@ from .models import adapter_for
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
 from .pml.layout import PromptPlan, Unit, bos_ids
+from .recompute import Recompute, blend_rows, epic_rows, first_layers_keys, recompute_mask
 from .tokens import safe_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class PrefillResult:
     cached_tokens: int  # tokens whose states came from the cache
     computed_tokens: int  # tokens computed by this prefill
     copied_tokens: int = 0  # cached tokens copied into the workspace (the rest were resident)
+    recomputed_tokens: int = 0  # context tokens recomputed on top of the cache (counted in computed_tokens)
     assemble_s: float = 0.0  # seconds spent placing cached states
     forward_s: float = 0.0  # seconds in the forward pass
 
@@ -74,6 +76,7 @@ class GenerationOutput:
     computed_tokens: int
     total_s: float = 0.0
     finish_reason: str = "length"  # "length" | "eos" | "stop"
+    recomputed_tokens: int = 0  # context tokens recomputed (included in computed_tokens)
 
 
 class _EngineLock:
@@ -138,6 +141,7 @@ class PromptCache:
         store: KVStore | None = None,
         cache_dir: str | None = None,
         store_dtype: torch.dtype | None = torch.float16,
+        recompute: "str | Recompute" = "none",
     ):
         """Wrap a loaded causal LM.
 
@@ -147,12 +151,16 @@ class PromptCache:
         paper; ``None`` keeps the model's dtype); they are converted to the
         model's dtype while being copied into the workspace.
         ``max_tokens``: initial workspace capacity (it grows on demand).
+        ``recompute``: the default policy for prompts that assemble several units
+        (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"all"``);
+        ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
         """
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.encoding = encoding
+        self.recompute = Recompute.parse(recompute)
         self.adapter = adapter_for(model)
         self.chat = chat_format_for(tokenizer)
         #: tokenizes untrusted text without control tokens (see :mod:`pcache_rag.tokens`)
@@ -357,19 +365,25 @@ class PromptCache:
         return plan, state
 
     @torch.no_grad()
-    def prefill(self, prompt_pml: str, reserve: int = 0) -> PrefillResult:
-        """Assemble the imported states and compute only the new tokens.
+    def prefill(self, prompt_pml: str, reserve: int = 0, recompute: "str | Recompute | None" = None) -> PrefillResult:
+        """Assemble the imported states and compute only the new tokens (plus the context
+        tokens the ``recompute`` policy selects; default: the engine's).
 
         ``reserve`` leaves room in the workspace for that many generated tokens.
         """
+        policy = self._policy(recompute)
         with self._lock:
             plan, state = self.plan(prompt_pml)
-            return self._prefill(plan, self._states(plan, state), reserve)
+            return self._prefill(plan, self._states(plan, state), reserve, policy)
 
-    def _prefill(self, plan: PromptPlan, kvs: list[ModuleKV], reserve: int) -> PrefillResult:
+    def _policy(self, recompute) -> Recompute:
+        return self.recompute if recompute is None else Recompute.parse(recompute)
+
+    def _prefill(self, plan: PromptPlan, kvs: list[ModuleKV], reserve: int, policy: Recompute) -> PrefillResult:
         pre = plan.layout.preamble if self.encoding == "preamble" else None
         return self._prefill_parts(
-            [u.name for u in plan.units], kvs, plan.args, plan.uncached_ids, plan.uncached_positions, pre, reserve
+            [u.name for u in plan.units], kvs, plan.args, plan.uncached_ids, plan.uncached_positions, pre, reserve,
+            policy,
         )
 
     def _prefill_parts(
@@ -381,13 +395,16 @@ class PromptCache:
         uncached_positions: list[int],
         preamble: str | None,
         reserve: int,
+        policy: Recompute = Recompute(),
     ) -> PrefillResult:
-        """Assemble ``kvs`` (labelled), compute arguments and uncached tokens, return logits."""
+        """Assemble ``kvs`` (labelled), compute arguments and uncached tokens (and the context
+        rows ``policy`` selects), return logits."""
         dev = self.adapter.device
         t0 = time.perf_counter()
         n_args = sum(len(ids) for _, _, ids in args)
         q = n_args + len(uncached_ids)
-        C, copied = self.workspace.assemble(kvs, extra=q + reserve)
+        rows = self._select(kvs, policy)
+        C, copied = self.workspace.assemble(kvs, extra=q + len(rows) + reserve)
         t1 = time.perf_counter()
 
         # Query tokens: arguments at their reserved positions, then the uncached text.
@@ -423,32 +440,65 @@ class PromptCache:
         if allowed is not None:
             allowed[row:, : C + row] = True
             allowed[row:, C + row :] = torch.ones(U, U, dtype=torch.bool).tril_()
-            allowed = allowed.to(dev)
+            if policy.kind == "all" and rows:  # the anchor: one causal prefill of every token
+                allowed[:, :C] = True
+                allowed[:, C:] = torch.ones(q, q, dtype=torch.bool).tril_()
         q_ids.extend(uncached_ids)
         q_pos.extend(uncached_positions)
 
-        ids_t = torch.tensor(q_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(q_pos, dtype=torch.long, device=dev)
+        new_ids = torch.tensor(q_ids, dtype=torch.long)
+        new_pos = torch.tensor(q_pos, dtype=torch.long)
         cached_pos = [kv.position_ids for kv in kvs]
+        ids_t, pos_t = new_ids, new_pos
+        nS = len(rows)
+        if nS:
+            # Selected context rows join the query, before the new tokens (recompute.py).
+            rows_t = torch.tensor(rows, dtype=torch.long)
+            ids_t = torch.cat([torch.cat([kv.token_ids for kv in kvs])[rows_t], new_ids])
+            pos_t = torch.cat([torch.cat(cached_pos)[rows_t], new_pos])
+            allowed = recompute_mask(allowed, C, rows_t)
+        if allowed is not None:
+            allowed = allowed.to(dev)
         key_pos = None
         if self.adapter.family == "alibi" and not plain:
-            key_pos = torch.cat(cached_pos + [pos_t.cpu()]).to(dev)
+            key_pos = torch.cat(cached_pos + [pos_t]).to(dev)
         t2 = time.perf_counter()
-        logits = self.adapter.forward(ids_t, pos_t, self.workspace.cache(), allowed, key_pos)[-1]
+        logits = self.adapter.forward(ids_t.to(dev), pos_t.to(dev), self.workspace.cache(), allowed, key_pos)[-1]
+        if nS:
+            self.workspace.replace_rows(rows_t.to(dev), C, nS, q)
         t3 = time.perf_counter()
-        input_ids = torch.cat([kv.token_ids for kv in kvs] + [ids_t.cpu()])
-        position_ids = torch.cat(cached_pos + [pos_t.cpu()])
+        input_ids = torch.cat([kv.token_ids for kv in kvs] + [new_ids])
+        position_ids = torch.cat(cached_pos + [new_pos])
         return PrefillResult(
             logits=logits,
             input_ids=input_ids,
             position_ids=position_ids,
             spans=spans,
-            cached_tokens=C,
-            computed_tokens=q,
+            cached_tokens=C - nS,
+            computed_tokens=q + nS,
             copied_tokens=copied,
             assemble_s=t1 - t0,
             forward_s=t3 - t2,
+            recomputed_tokens=nS,
         )
+
+    def _select(self, kvs: list[ModuleKV], policy: Recompute) -> list[int]:
+        """Cache rows to recompute under ``policy`` (only when several units are assembled)."""
+        if policy.kind == "none" or len(kvs) < 2:
+            return []
+        lengths = [kv.length for kv in kvs]
+        if policy.kind == "all":
+            return list(range(sum(lengths)))
+        if policy.kind == "epic":
+            return epic_rows(lengths, policy.k)
+        # blend: score every context token by its key deviation at the check layer
+        dev = self.adapter.device
+        ids = torch.cat([kv.token_ids for kv in kvs]).to(dev)
+        pos = torch.cat([kv.position_ids for kv in kvs]).to(dev)
+        fresh = first_layers_keys(self.adapter, ids, pos, policy.check_layer)  # (H, C, D)
+        cached = torch.cat([kv.keys[policy.check_layer].to(device=dev, dtype=fresh.dtype) for kv in kvs], dim=1)
+        scores = (fresh - cached).pow(2).sum(dim=(0, 2))  # (C,)
+        return blend_rows(scores, lengths, policy.ratio)
 
     # ------------------------------------------------------------------ parts (RAG)
 
@@ -466,14 +516,16 @@ class PromptCache:
 
     @torch.no_grad()
     def prefill_parts(
-        self, parts: list[tuple[str, ModuleKV]], new_ids: list[int], preamble: str | None = None, reserve: int = 0
+        self, parts: list[tuple[str, ModuleKV]], new_ids: list[int], preamble: str | None = None, reserve: int = 0,
+        recompute: "str | Recompute | None" = None,
     ) -> PrefillResult:
         """Prefill cached ``parts`` (label, states already at their positions) plus ``new_ids``,
         which are placed right after the last part's position."""
+        policy = self._policy(recompute)
         with self._lock, torch.no_grad():
-            return self._prefill_new(parts, new_ids, preamble, reserve)
+            return self._prefill_new(parts, new_ids, preamble, reserve, policy)
 
-    def _prefill_new(self, parts, new_ids, preamble, reserve):
+    def _prefill_new(self, parts, new_ids, preamble, reserve, policy: Recompute = Recompute()):
         if not new_ids:
             raise ValueError("there must be at least one new token to compute")
         start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
@@ -482,18 +534,20 @@ class PromptCache:
             raise ContextOverflowError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
         pre = preamble if self.encoding == "preamble" else None
         return self._prefill_parts(
-            [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve
+            [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve, policy
         )
 
-    def generate_parts(self, parts, new_ids, preamble=None, **gen) -> GenerationOutput:
+    def generate_parts(self, parts, new_ids, preamble=None, recompute=None, **gen) -> GenerationOutput:
         """:meth:`generate` for cached parts plus new token ids (see :meth:`prefill_parts`)."""
         gen = _gen_kwargs(gen)
-        return _final(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r), **gen))
+        policy = self._policy(recompute)
+        return _final(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy), **gen))
 
-    def stream_parts(self, parts, new_ids, preamble=None, **gen) -> Iterator[str]:
+    def stream_parts(self, parts, new_ids, preamble=None, recompute=None, **gen) -> Iterator[str]:
         """:meth:`stream` for cached parts plus new token ids."""
         gen = _gen_kwargs(gen)
-        return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r), **gen))
+        policy = self._policy(recompute)
+        return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy), **gen))
 
     def text_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings
@@ -519,24 +573,28 @@ class PromptCache:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] | None = None,
+        recompute: "str | Recompute | None" = None,
     ) -> GenerationOutput:
         """Answer a prompt: prefill from the cache, then decode.
 
         Greedy by default; ``do_sample=True`` samples with ``temperature`` and
         ``top_p`` (``seed`` makes it repeatable). Stops at EOS, at any string in
         ``stop`` (excluded from the text) or after ``max_new_tokens``.
+        ``recompute`` overrides the engine's policy for this call.
         """
-        return _final(self._generation(self._prompt_prefill(prompt_pml), max_new_tokens, do_sample, temperature,
-                                       top_p, seed, stop))
+        return _final(self._generation(self._prompt_prefill(prompt_pml, recompute), max_new_tokens, do_sample,
+                                       temperature, top_p, seed, stop))
 
-    def stream(self, prompt_pml: str, **kwargs) -> Iterator[str]:
+    def stream(self, prompt_pml: str, recompute=None, **kwargs) -> Iterator[str]:
         """Yield text deltas as they are decoded (same arguments as :meth:`generate`)."""
-        return _deltas(self._generation(self._prompt_prefill(prompt_pml), **_gen_kwargs(kwargs)))
+        return _deltas(self._generation(self._prompt_prefill(prompt_pml, recompute), **_gen_kwargs(kwargs)))
 
-    def _prompt_prefill(self, prompt_pml: str):
+    def _prompt_prefill(self, prompt_pml: str, recompute=None):
+        policy = self._policy(recompute)
+
         def prepare(reserve: int) -> PrefillResult:
             plan, state = self.plan(prompt_pml)
-            return self._prefill(plan, self._states(plan, state), reserve)
+            return self._prefill(plan, self._states(plan, state), reserve, policy)
 
         return prepare
 
@@ -616,6 +674,7 @@ class PromptCache:
             computed_tokens=res.computed_tokens,
             total_s=time.perf_counter() - t0,
             finish_reason=finish,
+            recomputed_tokens=res.recomputed_tokens,
         )
         yield self.last_output
 

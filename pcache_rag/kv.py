@@ -162,6 +162,20 @@ class Workspace:
             layer.set_length(off)
         return off, copied
 
+    def replace_rows(self, rows: torch.Tensor, src: int, n: int, tail: int) -> None:
+        """After a recompute forward: the ``n`` fresh rows written at ``src`` replace the cache
+        ``rows`` (n,), and the ``tail`` rows after them move down to ``src``. Units whose rows
+        changed no longer hold their stored states, so they stop counting as resident."""
+        k, v = self.k[:, 0], self.v[:, 0]  # (L, H, capacity, D)
+        k.index_copy_(2, rows, k[:, :, src : src + n].clone())
+        v.index_copy_(2, rows, v[:, :, src : src + n].clone())
+        k[:, :, src : src + tail] = k[:, :, src + n : src + n + tail].clone()
+        v[:, :, src : src + tail] = v[:, :, src + n : src + n + tail].clone()
+        for layer in self.layers:
+            layer.set_length(src + tail)
+        first = int(rows.min())
+        self._resident = [r for r in self._resident if r[1] <= first]
+
     def cache(self) -> Cache:
         """A transformers ``Cache`` view over the buffers (no copy)."""
         return Cache(layers=self.layers)

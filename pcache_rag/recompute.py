@@ -1,0 +1,169 @@
+"""Selective recomputation: which cached context tokens to compute again, and the exact mask.
+
+Modules are encoded apart, so a prompt that imports several of them reads
+states that never saw each other. Recomputing a few well-chosen context tokens
+on top of the cached states recovers much of the lost quality:
+
+* ``none``: the cached path as it is.
+* ``epic:K``: the first ``K`` tokens of every unit after the first (EPIC /
+  LegoLink, arXiv 2410.15332). The set is known before the forward.
+* ``blend:R`` (``blend:R@L``): CacheBlend's selection. Every context token is
+  run through layers ``0..L`` (``L = 1`` by default); tokens are ranked by how
+  far their fresh keys at layer ``L`` are from the cached ones, and the top
+  ``R`` fraction is recomputed. Unlike CacheBlend, the fresh early-layer states
+  are used only to choose: the chosen tokens are recomputed through every layer
+  by the same exact forward as ``epic``, and the other tokens keep their cached
+  states in every layer, so one definition of "recomputed" holds for all modes.
+* ``all``: every context token (a correctness anchor: it equals a full causal
+  prefill of the same tokens and positions).
+
+The first unit (the preamble, or the first module) is never selected by
+``epic``/``blend``: it starts at position 0 and its states are already exact.
+
+How a set is recomputed (:func:`recompute_mask`): the selected tokens go into
+the forward's query, before the new tokens, with their own ids and positions.
+Each one attends causally, in cache order, to every token before it: cached
+rows that were not selected, and the fresh rows of selected ones (never their
+stale cached rows). New tokens see the same. Afterwards the fresh rows replace
+the stale ones in the workspace only; the store is never changed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("none", "epic", "blend", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """A recompute policy; build one with :meth:`parse` (``"none"``, ``"epic:16"``,
+    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"all"``)."""
+
+    kind: str = "none"
+    k: int = 0  # epic: tokens per unit
+    ratio: float = 0.0  # blend: fraction of candidate tokens
+    check_layer: int = 1  # blend: the layer whose keys are compared
+
+    @classmethod
+    def parse(cls, spec: "str | Recompute | None") -> "Recompute":
+        if spec is None:
+            return cls()
+        if isinstance(spec, Recompute):
+            return spec
+        s = str(spec).strip().lower()
+        name, _, arg = s.partition(":")
+        try:
+            if name in ("none", "all") and not arg:
+                return cls(name)
+            if name == "epic" and arg:
+                k = int(arg)
+                if k < 1:
+                    raise ValueError
+                return cls("epic", k=k)
+            if name == "blend" and arg:
+                r, _, layer = arg.partition("@")
+                ratio = float(r)
+                if not 0.0 < ratio <= 1.0:
+                    raise ValueError
+                return cls("blend", ratio=ratio, check_layer=int(layer) if layer else 1)
+        except ValueError:
+            pass
+        raise ValueError(
+            f"recompute must be 'none', 'all', 'epic:K' (K >= 1), or 'blend:R' / 'blend:R@LAYER' "
+            f"(0 < R <= 1), not {spec!r}"
+        )
+
+    def __str__(self) -> str:
+        if self.kind == "epic":
+            return f"epic:{self.k}"
+        if self.kind == "blend":
+            return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
+        return self.kind
+
+
+def epic_rows(lengths: list[int], k: int) -> list[int]:
+    """Cache rows of the first ``k`` tokens of every unit after the first."""
+    rows: list[int] = []
+    off = lengths[0] if lengths else 0
+    for n in lengths[1:]:
+        rows.extend(range(off, off + min(k, n)))
+        off += n
+    return rows
+
+
+def blend_rows(scores: torch.Tensor, lengths: list[int], ratio: float) -> list[int]:
+    """The top ``ratio`` of the rows after the first unit by ``scores`` (C,), in cache order."""
+    first = lengths[0] if lengths else 0
+    cand = scores[first:]
+    n = min(cand.shape[0], max(1, math.ceil(ratio * cand.shape[0]))) if cand.shape[0] else 0
+    if n == 0:
+        return []
+    top = torch.topk(cand.float(), n).indices + first
+    return sorted(top.tolist())
+
+
+def recompute_mask(base: torch.Tensor, C: int, rows: torch.Tensor) -> torch.Tensor:
+    """The (nS + q, C + nS + q) mask of a forward whose query is the ``rows`` (nS,) of the
+    cache, recomputed, followed by the q new tokens whose own mask is ``base`` (q, C + q).
+
+    Physical key columns: the C assembled rows (the selected ones now stale and never
+    attended), the nS fresh rows, then the q new tokens.
+    """
+    q = base.shape[0]
+    nS = rows.shape[0]
+    cmap = torch.arange(C)  # logical cache row -> physical column
+    cmap[rows] = C + torch.arange(nS)
+    out = torch.zeros(nS + q, C + nS + q, dtype=torch.bool)
+    out[:nS, cmap] = torch.arange(C)[None, :] <= rows[:, None]  # causal in cache order, fresh rows
+    out[nS:, cmap] = base[:, :C]
+    out[nS:, C + nS :] = base[:, C:]
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's list of decoder blocks (the largest ``ModuleList`` of blocks)."""
+    n = None
+    c = model.config
+    for name in ("num_hidden_layers", "n_layer", "n_layers"):
+        n = getattr(c, name, None) or n
+    best = None
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and (n is None or len(m) == n):
+            if best is None or len(m) > len(best):
+                best = m
+    if best is None:
+        raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__}")
+    return best
+
+
+def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
+    """Fresh keys (H, C, D) at ``layer`` of a causal forward over ``ids`` stopped after that layer."""
+    from transformers.cache_utils import DynamicCache
+
+    layers = decoder_layers(adapter.model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"blend check layer {layer} is outside 0..{len(layers) - 1}")
+
+    def stop(*_):
+        raise _Stop
+
+    cache = DynamicCache()
+    C = ids.shape[0]
+    allowed = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril_()
+    key_pos = pos if adapter.family == "alibi" else None
+    h = layers[layer].register_forward_hook(stop)
+    try:
+        adapter.forward(ids, pos, cache, allowed, key_pos)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    return cache.layers[layer].keys[0]  # (H, C, D)

@@ -1,0 +1,173 @@
+"""Selective recomputation (issue 9): the invariants on tiny random models of every family.
+
+* ``all`` equals one stock forward over the same tokens and positions, full causal mask;
+* ``none`` is the cached path unchanged (bit-identical);
+* a selected set equals a reference forward in which the selected rows attend causally to
+  everything before them and the other rows keep their cached states. The reference is
+  built independently: a stock (eager) forward whose past holds only the unselected cached
+  rows and whose query is the selected rows followed by the new tokens.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from helpers import tiny_model
+from pcache_rag import PromptCache
+from pcache_rag.recompute import Recompute, epic_rows, recompute_mask
+
+FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"]
+TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
+         "Charlie is the third chunk of context in this prompt."]
+
+
+def sharp_model(family: str, vocab: int, seed: int):
+    """A tiny random model with sharper attention (query/key weights scaled up), so that what a
+    token attends to changes its logits well above float32 rounding: a test that compares
+    recomputed and cached logits can then tell them apart."""
+    model = tiny_model(family, vocab, seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(t in name for t in ("q_proj", "k_proj", "c_attn", "query_key_value", "Wqkv")):
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pc(request, smol_tok):
+    model = sharp_model(request.param, len(smol_tok), seed=3)
+    return PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
+
+
+def _parts(pc):
+    """Three chunks encoded apart, at contiguous positions (as RAG places them)."""
+    parts, pos = [], 0
+    for i, t in enumerate(TEXTS):
+        ids = pc.safe.text(t)
+        parts.append((f"c{i}", pc.encode(ids, list(range(pos, pos + len(ids))))))
+        pos += len(ids)
+    return parts, pc.safe.text(" Which chunk is third?")
+
+
+def _reference(pc, parts, new_ids, rows):
+    """Logits (T, vocab) of the new tokens: past = unselected cached rows, query = selected rows +
+    new tokens, each attending causally (cache order) to what precedes it."""
+    kvs = [kv for _, kv in parts]
+    ids = torch.cat([kv.token_ids for kv in kvs])
+    pos = torch.cat([kv.position_ids for kv in kvs])
+    C = ids.shape[0]
+    keep = [j for j in range(C) if j not in set(rows)]
+    K = torch.cat([kv.keys for kv in kvs], dim=2)  # (L, H, C, D)
+    V = torch.cat([kv.values for kv in kvs], dim=2)
+    cache = DynamicCache([(K[i][None][:, :, keep], V[i][None][:, :, keep]) for i in range(K.shape[0])])
+    new_pos = torch.arange(int(pos[-1]) + 1, int(pos[-1]) + 1 + len(new_ids))
+    q_ids = torch.cat([ids[rows], torch.tensor(new_ids)])
+    q_pos = torch.cat([pos[rows], new_pos])
+    q_logical = torch.cat([torch.tensor(rows, dtype=torch.long), torch.arange(C, C + len(new_ids))])
+    k_logical = torch.cat([torch.tensor(keep, dtype=torch.long), q_logical])
+    allowed = k_logical[None, :] <= q_logical[:, None]  # (nq, nkeep + nq)
+    model = copy.deepcopy(pc.model)
+    model.set_attn_implementation("eager")
+    from pcache_rag.models import adapter_for
+
+    ad = adapter_for(model)
+    key_pos = torch.cat([pos[keep], q_pos])
+    if pc.adapter.family == "alibi":
+        return ad.forward(q_ids, q_pos, cache, allowed, key_pos, logits_to_keep=len(new_ids))
+    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = model(input_ids=q_ids[None], position_ids=q_pos[None], attention_mask=mask, past_key_values=cache)
+    return out.logits[0, -len(new_ids):]
+
+
+def test_all_equals_one_causal_forward(pc):
+    parts, new = _parts(pc)
+    res = pc.prefill_parts(parts, new, recompute="all")
+    C = sum(kv.length for _, kv in parts)
+    assert res.recomputed_tokens == C and res.cached_tokens == 0 and res.computed_tokens == C + len(new)
+    model = copy.deepcopy(pc.model)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        if pc.adapter.family == "alibi":
+            ref = pc.full_prefill(res.input_ids, res.position_ids)
+        else:
+            ref = model(input_ids=res.input_ids[None], position_ids=res.position_ids[None]).logits[0, -1]
+    assert (ref - res.logits).abs().max().item() < 1e-4
+
+
+def test_none_is_the_cached_path_unchanged(pc):
+    parts, new = _parts(pc)
+    plain = pc.prefill_parts(parts, new)
+    none = pc.prefill_parts(parts, new, recompute="none")
+    assert torch.equal(plain.logits, none.logits) and none.recomputed_tokens == 0
+    ref = _reference(pc, parts, new, [])[-1]
+    assert (ref - none.logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0"])
+def test_selected_set_equals_the_masked_reference(pc, spec):
+    parts, new = _parts(pc)
+    policy = Recompute.parse(spec)
+    rows = pc._select([kv for _, kv in parts], policy)
+    if policy.kind == "epic":
+        assert rows == epic_rows([kv.length for _, kv in parts], policy.k)
+    first = parts[0][1].length
+    assert rows and min(rows) >= first, "the first unit is never recomputed"
+    res = pc.prefill_parts(parts, new, recompute=spec)
+    assert res.recomputed_tokens == len(rows) and res.computed_tokens == len(new) + len(rows)
+    ref = _reference(pc, parts, new, rows)
+    err = (ref[-1] - res.logits).abs().max().item()
+    assert err < 1e-4, spec
+    cached = pc.prefill_parts(parts, new, recompute="none").logits
+    diff = (cached - res.logits).abs().max().item()
+    assert diff > 100 * max(err, 1e-7), f"{spec}: recomputing must change the logits ({diff} vs error {err})"
+
+
+def test_decoding_after_recompute_reads_the_fresh_rows(pc):
+    """Greedy tokens generated after a recompute equal the reference continued token by token."""
+    parts, new = _parts(pc)
+    out = pc.generate_parts(parts, new, recompute="epic:3", max_new_tokens=4)
+    rows = epic_rows([kv.length for _, kv in parts], 3)
+    seq = list(new)
+    for tok in out.token_ids:
+        ref = _reference(pc, parts, seq, rows)[-1]
+        assert int(torch.argmax(ref)) == tok
+        seq.append(tok)
+    assert out.recomputed_tokens == len(rows)
+    # the workspace is not left holding recomputed rows as if they were the stored states
+    again = pc.prefill_parts(parts, new)
+    assert (again.logits - pc.prefill_parts(parts, new, recompute="none").logits).abs().max() == 0
+    assert (again.logits - _reference(pc, parts, new, [])[-1]).abs().max().item() < 1e-4
+
+
+def test_pml_prompts_take_the_policy(smol_tok):
+    model = sharp_model("llama", len(smol_tok), seed=4)
+    pc = PromptCache(model, smol_tok, recompute="epic:2", store_dtype=None)
+    pc.add_schema('<schema name="s"><system>Be brief.</system><module name="a">Alpha text here.</module>'
+                  '<module name="b">Bravo text follows.</module></schema>')
+    p = '<prompt schema="s"><a/><b/><user>Which?</user></prompt>'
+    res = pc.prefill(p)
+    assert res.recomputed_tokens == 4  # two units after the preamble, two tokens each
+    assert pc.prefill(p, recompute="none").recomputed_tokens == 0
+    out = pc.generate(p, max_new_tokens=2, recompute="all")
+    assert out.recomputed_tokens == res.cached_tokens + res.recomputed_tokens
+
+
+def test_mask_redirects_selected_columns_to_their_fresh_rows():
+    base = torch.ones(2, 5 + 2, dtype=torch.bool)
+    base[:, 5:] = torch.ones(2, 2, dtype=torch.bool).tril()
+    m = recompute_mask(base, 5, torch.tensor([1, 3]))
+    assert m.shape == (4, 9)
+    assert not m[:, 1].any() and not m[:, 3].any(), "stale rows are never attended"
+    assert m[0].tolist() == [1, 0, 0, 0, 0, 1, 0, 0, 0]  # row 1: row 0, itself (fresh)
+    assert m[1].tolist() == [1, 0, 1, 0, 0, 1, 1, 0, 0]  # row 3: rows 0, 2, fresh 1, itself
+    assert m[3].tolist() == [1, 0, 1, 0, 1, 1, 1, 1, 1]
+
+
+def test_bad_policies_are_refused():
+    for bad in ["epic", "epic:0", "blend:0", "blend:1.5", "sometimes", "all:3"]:
+        with pytest.raises(ValueError, match="recompute must be"):
+            Recompute.parse(bad)
+    assert str(Recompute.parse("blend:0.15@3")) == "blend:0.15@3" and str(Recompute.parse(" EPIC:8 ")) == "epic:8"
