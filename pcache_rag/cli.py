@@ -96,7 +96,7 @@ def _rag(a, create: bool):
                                      store=default_store("cpu", Path(a.index).expanduser() / "kv",
                                                          disk_budget=budget))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
-                     chroma_url=a.chroma_url, create=create)
+                     chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None))
 
 
 def cmd_ingest(a) -> int:
@@ -148,9 +148,12 @@ def cmd_verify(a) -> int:
 def cmd_ask(a) -> int:
     from .rag import check_index_dir
 
+    from .recompute import Recompute
+
     if not a.question.strip():
         print("pcache-rag: the question is empty", file=sys.stderr)
         return 2
+    Recompute.parse(a.recompute)  # a bad policy is refused before the model loads
     check_index_dir(a.index, create=False)
     rag = _rag(a, create=False)
     if rag.index.count() == 0:
@@ -169,10 +172,32 @@ def cmd_ask(a) -> int:
     for h in handles:
         print(f"  {h.score:.2f}  {shown(h.source)}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
     for name, ans in runs:
+        re_ = f" ({ans.output.recomputed_tokens} recomputed)" if ans.output.recomputed_tokens else ""
         print(f"{name:>12}: ttft {ans.ttft_s * 1000:.0f} ms (retrieve {ans.retrieve_s * 1000:.0f} ms); "
-              f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}")
+              f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}{re_}")
     if len(runs) == 2:
         print(f"       ratio: x{runs[1][1].ttft_s / runs[0][1].ttft_s:.1f}")
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from .evalq import DEFAULT_MODES, SETS, run_eval
+
+    log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
+    n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
+    summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
+                       sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log,
+                       checkpoint=a.checkpoint)
+    for set_name, rows in summary["sets"].items():
+        log(f"\n{set_name}:")
+        for m, r in rows.items():
+            log(f"  {m:<12} {r['correct']:>3}/{r['n']} = {r['accuracy']:6.1%}  [{r['ci95'][0]:.0%}, {r['ci95'][1]:.0%}]  "
+                f"F1 {r['f1']:.2f}  agree {r.get('agreement', 1):.0%}  recomputed {r['recomputed_fraction']:.1%}  "
+                f"ttft {r['median_ttft_s'] * 1e3:.0f} ms  x{r.get('speedup', 1):.1f}")
+    if a.out:
+        log(f"\nwrote {a.out}/quality.md and {a.out}/quality.png")
+    if a.json:
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -242,7 +267,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-new-tokens", type=int, default=64)
     q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
+    q.add_argument("--recompute", default=None, metavar="POLICY",
+                   help="recompute context tokens for quality: none, epic:K, blend:R, all (default: the engine's)")
     q.set_defaults(fn=cmd_ask)
+
+    e = sub.add_parser("eval", help="evaluations: quality (cached vs full prefill, with recompute policies)")
+    e.add_argument("what", choices=("quality",))
+    e.add_argument("--quick", action="store_true", help="a few questions per set (minutes): checks the harness")
+    e.add_argument("--n", type=_positive, default=75, help="questions per set (4 sets)")
+    e.add_argument("--doc-tokens", type=_positive, default=400, help="tokens per document")
+    e.add_argument("--k", type=_positive, default=4, help="documents per question")
+    e.add_argument("--max-new-tokens", type=_positive, default=24)
+    e.add_argument("--modes", nargs="+", default=None, help="full isolated preamble epic:K blend:R ...")
+    e.add_argument("--sets", nargs="+", default=None, choices=("plain", "competing", "cross", "rag"))
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--model", default=None)
+    e.add_argument("--out", default="docs", help="where quality.md and quality.png go ('' for nowhere)")
+    e.add_argument("--checkpoint", default=None, help="write the running summary (JSON) here as it goes")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=cmd_eval)
 
     d = sub.add_parser("demo", help="the main job: ingest a sample corpus and answer questions")
     d.add_argument("--model", default=None)

@@ -57,6 +57,7 @@ class PromptCacheLLM(LLM):
 
     rag: Any  # CachedRAG
     max_new_tokens: int = 128
+    recompute: str | None = None  # e.g. "epic:16"; None: the CachedRAG's policy
 
     @property
     def _llm_type(self) -> str:
@@ -80,7 +81,9 @@ class PromptCacheLLM(LLM):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
         handles = kwargs.get("handles")
         gen = self._gen(stop, kwargs)
-        it = self.rag.stream(prompt, handles=handles, **gen) if handles else self.rag.pc.stream_text(prompt, **gen)
+        recompute = kwargs.get("recompute", self.recompute)
+        it = (self.rag.stream(prompt, handles=handles, **({"recompute": recompute} if recompute else {}), **gen)
+              if handles else self.rag.pc.stream_text(prompt, **gen))
         for delta in it:
             chunk = GenerationChunk(text=delta)
             if run_manager:

@@ -46,6 +46,7 @@ class PromptCacheLLM(CustomLLM):
 
     max_new_tokens: int = 128
     model_name: str = "pcache-rag"
+    recompute: str | None = None  # e.g. "epic:16"; None: the CachedRAG's policy
     _rag: CachedRAG = PrivateAttr()
 
     def __init__(self, rag: CachedRAG, max_new_tokens: int = 128, **kwargs: Any):
@@ -61,17 +62,21 @@ class PromptCacheLLM(CustomLLM):
         return LLMMetadata(context_window=self._rag.pc.max_positions, num_output=self.max_new_tokens,
                            model_name=self.model_name, is_chat_model=False)
 
+    def _recompute(self, kwargs: dict) -> dict:
+        r = kwargs.pop("recompute", self.recompute)
+        return {} if r is None else {"recompute": r}
+
     def _stats(self) -> dict:
         o = self._rag.pc.last_output
         return {} if o is None else {"ttft_s": o.ttft_s, "cached_tokens": o.cached_tokens,
-                                     "computed_tokens": o.computed_tokens}
+                                     "computed_tokens": o.computed_tokens, "recomputed_tokens": o.recomputed_tokens}
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         handles = kwargs.pop("handles", None)
         gen = {"max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens)}
         if handles:
-            text = self._rag.answer(prompt, handles=handles, **gen).text
+            text = self._rag.answer(prompt, handles=handles, **self._recompute(kwargs), **gen).text
         else:
             text = self._rag.pc.generate_text(prompt, **gen).text
         return CompletionResponse(text=text, additional_kwargs=self._stats())
@@ -80,7 +85,8 @@ class PromptCacheLLM(CustomLLM):
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         handles = kwargs.pop("handles", None)
         gen = {"max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens)}
-        it = self._rag.stream(prompt, handles=handles, **gen) if handles else self._rag.pc.stream_text(prompt, **gen)
+        it = (self._rag.stream(prompt, handles=handles, **self._recompute(kwargs), **gen) if handles
+              else self._rag.pc.stream_text(prompt, **gen))
 
         def responses():
             text = ""

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
+from ..recompute import Recompute
 from ..store import unit_key
 from ..fsutil import quarantine
 from .chunking import SkipFile, read_document, scan, split_tokens
@@ -130,7 +131,8 @@ class CachedRAG:
     ``index_dir`` holds chroma (``chroma/``), the KV store (``kv/``) and a small manifest;
     it must be a new or empty directory or an existing index (``create=False``: it must
     exist). ``chunk_tokens`` defaults to the index's own (512 for a new one); ``k`` chunks
-    of that size must fit the model's context with the question.
+    of that size must fit the model's context with the question. ``recompute`` sets the
+    policy for answers (``"epic:16"``, ``"blend:0.15"``...; per call: ``answer(..., recompute=)``).
     """
 
     def __init__(
@@ -144,8 +146,11 @@ class CachedRAG:
         chroma_url: str | None = None,
         embedder: MiniLMEmbedder | None = None,
         create: bool = True,
+        recompute: str | None = None,
     ):
         self.index_dir = check_index_dir(index_dir, create)
+        #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
+        self.recompute = None if recompute is None else str(Recompute.parse(recompute))
         self.k = _check_k(k)
         self.manifest = _read_manifest(self.index_dir)
         built = self.manifest.get("chunk_tokens")
@@ -578,6 +583,7 @@ class CachedRAG:
             handles = self.retrieve(question, k)
         t_ret = time.perf_counter() - t0
         q_ids = self._fit_question(question, handles, gen)
+        gen.setdefault("recompute", self.recompute)
         out = self.pc.generate_parts(self._parts(handles), q_ids, preamble="preamble", **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
@@ -587,6 +593,7 @@ class CachedRAG:
         if handles is None:
             handles = self.retrieve(question, k)
         q_ids = self._fit_question(question, handles, gen)
+        gen.setdefault("recompute", self.recompute)
         return self.pc.stream_parts(self._parts(handles), q_ids, preamble="preamble", **gen)
 
     def full_prompt_ids(self, question: str, handles: list[ModuleHandle]) -> list[int]:
@@ -605,6 +612,7 @@ class CachedRAG:
             handles = self.retrieve(question, k, prefetch=False)
         t_ret = time.perf_counter() - t0
         self._fit_question(question, handles, gen)
+        gen.pop("recompute", None)  # nothing is cached: there is nothing to recompute
         out = self.pc.generate_parts([], self.full_prompt_ids(question, handles), **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 

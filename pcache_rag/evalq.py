@@ -1,0 +1,440 @@
+"""``pcache-rag eval quality``: cached answers vs full prefill, with selective recomputation.
+
+Seeded and deterministic. Facts (codes, names, dates, counts) are planted in real filler
+text (this machine's standard-library documentation) and asked about. Four sets:
+
+* ``plain``: the answer document plus distractors that state no competing fact;
+* ``competing``: the distractors state facts of the same form about other subjects;
+* ``cross``: the answer needs two documents (who works where + where that company sits);
+* ``rag``: end to end through :class:`~pcache_rag.rag.CachedRAG` on an ingested corpus of
+  planted-fact files, retrieval included.
+
+Every mode answers the same questions in one run: full prefill of the same text (the
+baseline), cached ``isolated``, cached ``preamble``, ``epic:K`` and ``blend:R`` (on the
+preamble encoding). Metrics: answer-contained accuracy with a 95% Wilson interval, token F1,
+agreement with the baseline's greedy answer, the fraction of context tokens recomputed, and
+the median time-to-first-token with its ratio to full prefill. Output: a Markdown table and a
+PNG plot (accuracy against speed-up) under ``docs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import statistics
+import string
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SETS = ("plain", "competing", "cross", "rag")
+DEFAULT_MODES = ("full", "isolated", "preamble", "epic:2", "epic:8", "epic:16", "epic:32",
+                 "blend:0.05", "blend:0.15", "blend:0.3")
+SYSTEM = "Answer the question using the documents. Reply with a short answer."
+
+
+@dataclass(slots=True)
+class Question:
+    docs: list[str]  # the documents in prompt order (the ones holding the answer included)
+    question: str
+    answer: str  # gold answer (answer-contained: every word of it must appear)
+    kind: str = ""
+
+
+# ---------------------------------------------------------------------------- data
+
+_FIRST = ("Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kalani",
+          "Lena", "Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wen",
+          "Yusuf", "Zora", "Anton", "Beatriz", "Cyrus", "Dalia", "Emil")
+_LAST = ("Ferrell", "Castell", "Lind", "Osei", "Vasko", "Moreau", "Holm", "Tanabe", "Duarte", "Weller", "Brooks",
+         "Marsh", "Ruiz", "Petrov", "Lund", "Nair", "Blake", "Amaral", "Dahl", "Quinn", "Haddad", "Novak", "Kaya")
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dublin", "Kyoto", "Tunis",
+           "Zagreb", "Perth", "Accra", "Riga", "Bergen", "Cusco", "Malmo", "Porto", "Krakow", "Leipzig",
+           "Valencia", "Tallinn", "Bilbao", "Lyon", "Graz", "Turku", "Odesa", "Split", "Ghent", "Aarhus")
+_PLACES = ("northern", "harbour", "granite", "copper", "willow", "summit", "amber", "cedar", "silver", "lantern",
+           "meadow", "falcon", "orchard", "beacon", "quarry", "river", "thistle", "canyon", "maple", "coral")
+_THINGS = ("archive", "vault", "library", "depot", "observatory", "workshop", "greenhouse", "foundry")
+_COMPANIES = ("Norvik Labs", "Altamira Systems", "Brightwell Foods", "Cobalt Freight", "Dunmore Textiles",
+              "Everly Robotics", "Fernhill Optics", "Galloway Mining", "Harrow Biotech", "Ironleaf Media",
+              "Juniper Motors", "Kestrel Energy", "Lumen Ceramics", "Marlow Shipping", "Nettle Software",
+              "Oakhurst Paper", "Pinecrest Audio", "Quillon Pharma", "Redfern Glass", "Saltmarsh Tools")
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+_EVENTS = ("bridge opening", "harbour festival", "chess final", "glacier survey", "lantern parade", "river census",
+           "orchard auction", "comet watch", "tram launch", "choir contest")
+
+
+def _fact(r: random.Random, i: int) -> tuple[str, str, str, str]:
+    """(kind, fact sentence, question, answer) for subject number ``i`` (unique subjects)."""
+    kind = ("code", "birth", "date", "count")[i % 4]
+    if kind == "code":
+        place = f"{_PLACES[i % len(_PLACES)]} {_THINGS[(i // len(_PLACES)) % len(_THINGS)]}"
+        code = f"{r.choice(string.ascii_uppercase)}{r.choice(string.ascii_uppercase)}-{r.randint(1000, 9999)}"
+        return kind, f"The access code for the {place} is {code}.", f"What is the access code for the {place}?", code
+    if kind == "birth":
+        name = f"{_FIRST[i % len(_FIRST)]} {_LAST[(i * 7) % len(_LAST)]}"
+        city = r.choice(_CITIES)
+        return kind, f"{name} was born in {city}.", f"In which city was {name} born?", city
+    if kind == "date":
+        ev = f"{_PLACES[i % len(_PLACES)]} {_EVENTS[(i // len(_PLACES)) % len(_EVENTS)]}"
+        y, m, d = r.randint(1901, 1999), r.choice(_MONTHS), r.randint(1, 28)
+        return kind, f"The {ev} took place on {m} {d}, {y}.", f"In which year did the {ev} take place?", str(y)
+    city = _CITIES[i % len(_CITIES)]
+    item = ("crates", "barrels", "lamps", "bicycles")[(i // len(_CITIES)) % 4]
+    n = r.randint(120, 9800)
+    return (kind, f"The warehouse in {city} holds exactly {n} {item}.",
+            f"How many {item} does the warehouse in {city} hold?", str(n))
+
+
+class Filler:
+    """Passages of real documentation text, ``doc_tokens`` model tokens each."""
+
+    def __init__(self, tokenizer, doc_tokens: int):
+        from .bench import _DOC_MODULES, stdlib_docs
+        from .tokens import safe_tokenizer
+
+        st = safe_tokenizer(tokenizer)
+        ids: list[int] = []
+        for _, text in stdlib_docs(modules=_DOC_MODULES):
+            ids.extend(st.text(text)[:6000])
+        self.tokenizer, self.ids, self.n = tokenizer, ids, doc_tokens
+
+    def passage(self, i: int) -> str:
+        span = len(self.ids) - self.n
+        start = (i * 977) % max(span, 1)
+        return self.tokenizer.decode(self.ids[start : start + self.n])
+
+
+def _plant(passage: str, fact: str, r: random.Random) -> str:
+    lines = passage.split("\n")
+    at = r.randint(max(1, len(lines) // 4), max(1, (3 * len(lines)) // 4))
+    return "\n".join(lines[:at] + [fact] + lines[at:])
+
+
+def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) -> dict[str, list[Question]]:
+    """The three synthetic sets (``plain``, ``competing``, ``cross``); ``n`` questions each."""
+    r = random.Random(seed)
+    fill = Filler(tokenizer, doc_tokens)
+    facts = [_fact(r, i) for i in range(n)]
+    fact_docs = [_plant(fill.passage(i), f[1], r) for i, f in enumerate(facts)]
+    plain_docs = [fill.passage(10_000 + i) for i in range(n + 8)]
+    out: dict[str, list[Question]] = {"plain": [], "competing": [], "cross": []}
+    for i, (kind, _fact_s, q, a) in enumerate(facts):
+        slot = r.randrange(k)
+        distract = r.sample(plain_docs, k - 1)
+        out["plain"].append(Question(distract[:slot] + [fact_docs[i]] + distract[slot:], q, a, kind))
+        same = [j for j in range(n) if j != i and facts[j][0] == kind]
+        others = r.sample(same, min(k - 1, len(same)))
+        rest = [j for j in range(n) if j != i and j not in others]  # a small n: other facts fill in
+        others += r.sample(rest, min(k - 1 - len(others), len(rest)))
+        docs = [fact_docs[j] for j in others]
+        docs.insert(min(slot, len(docs)), fact_docs[i])
+        out["competing"].append(Question(docs, q, a, kind))
+    # cross-document: person -> company, company -> city (with competing pairs as distractors)
+    pairs = []
+    for i in range(n):
+        name = f"{_FIRST[(i * 3) % len(_FIRST)]} {_LAST[(i * 5 + 1) % len(_LAST)]}"
+        company = f"{_COMPANIES[i % len(_COMPANIES)]}"
+        city = r.choice(_CITIES)
+        d1 = _plant(fill.passage(20_000 + i), f"{name} works for {company}.", r)
+        d2 = _plant(fill.passage(30_000 + i), f"The headquarters of {company} are in {city}.", r)
+        pairs.append((name, company, city, d1, d2))
+    for i, (name, company, city, d1, d2) in enumerate(pairs):
+        j = (i + 1 + r.randrange(n - 1)) % n if n > 1 else i
+        other = pairs[j]
+        distract = [other[3] if other[1] != company else plain_docs[i], other[4] if other[1] != company else plain_docs[i + 1]]
+        docs = [d1, d2] + distract[: max(0, k - 2)]
+        r.shuffle(docs)
+        q = f"{name} works for a company. In which city are that company's headquarters?"
+        out["cross"].append(Question(docs, q, city, "cross"))
+    return out
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 0.0
+    p = correct / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def _norm_tokens(s: str) -> list[str]:
+    return re.sub(r"[^\w\s-]", " ", s.lower()).split()
+
+
+def contains(answer_text: str, gold: str) -> bool:
+    words = set(_norm_tokens(answer_text))
+    text = " ".join(_norm_tokens(answer_text))
+    return all(w in words or w in text for w in _norm_tokens(gold))
+
+
+def token_f1(pred: str, gold: str) -> float:
+    p, g = _norm_tokens(pred), _norm_tokens(gold)
+    if not p or not g:
+        return float(p == g)
+    common = sum(min(p.count(w), g.count(w)) for w in set(g))
+    if common == 0:
+        return 0.0
+    prec, rec = common / len(p), common / len(g)
+    return 2 * prec * rec / (prec + rec)
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@dataclass(slots=True)
+class ModeResult:
+    answers: list[str] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+    f1: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    recomputed: list[float] = field(default_factory=list)  # fraction of context tokens recomputed
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+class _Synthetic:
+    """Answers a synthetic question in every mode on one model: documents are encoded once
+    per encoding at the canonical position right after the preamble, and placed at contiguous
+    slots like the RAG path (RoPE re-rotation)."""
+
+    def __init__(self, model, tok):
+        from .engine import PromptCache
+        from .pml import bos_ids
+
+        self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
+        pc = self.pcs["preamble"]
+        chat = pc.chat
+        self.pre_ids = bos_ids(tok) + pc.safe.segments([
+            (chat.prefix["system"], True), (SYSTEM, False), (chat.suffix["system"], True),
+            (chat.prefix["user"], True), ("Documents:\n\n", False)])
+        P = len(self.pre_ids)
+        self.pre_kv = pc.encode(self.pre_ids, list(range(P)))
+        self.cache: dict[tuple[str, str], object] = {}
+
+    def doc_ids(self, doc: str) -> list[int]:
+        return self.pcs["preamble"].safe.text(doc + "\n\n")
+
+    def q_ids(self, q: str) -> list[int]:
+        pc = self.pcs["preamble"]
+        return pc.safe.segments([(f"Question: {q}", False), (pc.chat.suffix["user"], True),
+                                 (pc.chat.generation_prompt, True)])
+
+    def _doc_kv(self, enc: str, doc: str):
+        key = (enc, doc)
+        kv = self.cache.get(key)
+        if kv is None:
+            pc = self.pcs[enc]
+            ids = self.doc_ids(doc)
+            P = len(self.pre_ids)
+            ctx = self.pre_kv if enc == "preamble" else None
+            kv = pc.encode(ids, list(range(P, P + len(ids))), context=ctx).to(dtype=pc.store_dtype)
+            self.cache[key] = kv
+        return kv
+
+    def answer(self, mode: str, q: Question, max_new_tokens: int):
+        pc = self.pcs["isolated" if mode == "isolated" else "preamble"]
+        if mode == "full":
+            ids = list(self.pre_ids) + [i for d in q.docs for i in self.doc_ids(d)] + self.q_ids(q.question)
+            return pc.generate_parts([], ids, max_new_tokens=max_new_tokens, stop=["\n"])
+        enc = "isolated" if mode == "isolated" else "preamble"
+        parts = [("preamble", self.pre_kv)]
+        pos = len(self.pre_ids)
+        for j, d in enumerate(q.docs):
+            kv = pc.place(self._doc_kv(enc, d), pos)
+            parts.append((f"d{j}", kv))
+            pos += kv.length
+        recompute = "none" if mode in ("isolated", "preamble") else mode
+        return pc.generate_parts(parts, self.q_ids(q.question), preamble="preamble", recompute=recompute,
+                                 max_new_tokens=max_new_tokens, stop=["\n"])
+
+
+def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int):
+    """An ingested corpus of planted-fact files (one per question, plus plain files), and a
+    CachedRAG per encoding over it."""
+    from .engine import PromptCache
+    from .rag import CachedRAG
+
+    r = random.Random(seed + 1)
+    fill = Filler(tok, doc_tokens)
+    corpus = workdir / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    qs = []
+    for i in range(n):
+        kind, fact, q, a = _fact(r, 500 + i)
+        (corpus / f"facts-{i:04d}.txt").write_text(_plant(fill.passage(40_000 + i), fact, r))
+        qs.append(Question([], q, a, kind))
+    for i in range(n):
+        (corpus / f"manual-{i:04d}.txt").write_text(fill.passage(50_000 + i))
+    rags = {}
+    for enc in ("isolated", "preamble"):
+        pc = PromptCache(model, tok, encoding=enc, cache_dir=str(workdir / f"index-{enc}" / "kv"))
+        rag = CachedRAG(workdir / f"index-{enc}", pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
+        rag.ingest([corpus], progress=False)
+        rags[enc] = rag
+    return qs, rags
+
+
+def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
+             sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
+             out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None) -> dict:
+    """Run every mode on the same questions; returns the results (also written to ``out_dir``)."""
+    import tempfile
+
+    import torch
+
+    from .default_model import load_model
+    from .recompute import Recompute
+
+    for m in modes:
+        if m not in ("full", "isolated", "preamble"):
+            Recompute.parse(m)
+    torch.manual_seed(seed)
+    model, tok = load_model(model_path)
+    t_start = time.perf_counter()
+    data = build_sets(tok, n, doc_tokens, k, seed)
+    syn = _Synthetic(model, tok)
+    results: dict[str, dict[str, ModeResult]] = {}
+    tmp = None
+    for set_name in sets:
+        res = results[set_name] = {m: ModeResult() for m in modes}
+        if set_name == "rag":
+            if workdir is None:
+                tmp = tempfile.TemporaryDirectory(prefix="pcache-eval-")
+                wd = Path(tmp.name)
+            else:
+                wd = Path(workdir)
+            qs, rags = _rag_set(model, tok, wd, n, doc_tokens, k, seed)
+        else:
+            qs = data[set_name]
+        for qi, q in enumerate(qs):
+            handles = rags["preamble"].retrieve(q.question) if set_name == "rag" else None
+            for mode in modes:
+                if set_name == "rag":
+                    rag = rags["isolated" if mode == "isolated" else "preamble"]
+                    hs = handles if mode != "isolated" else rag.retrieve(q.question)
+                    if mode == "full":
+                        a = rag.answer_full_prefill(q.question, handles=hs, max_new_tokens=max_new_tokens, stop=["\n"])
+                    else:
+                        rc = "none" if mode in ("isolated", "preamble") else mode
+                        a = rag.answer(q.question, handles=hs, recompute=rc, max_new_tokens=max_new_tokens,
+                                       stop=["\n"])
+                    out, ttft = a.output, a.ttft_s
+                else:
+                    out = syn.answer(mode, q, max_new_tokens)
+                    ttft = out.ttft_s
+                r = res[mode]
+                r.answers.append(out.text.strip())
+                r.correct.append(contains(out.text, q.answer))
+                r.f1.append(token_f1(out.text, q.answer))
+                r.ttft.append(ttft)
+                ctx = out.cached_tokens + out.recomputed_tokens
+                r.recomputed.append(out.recomputed_tokens / ctx if ctx else (1.0 if mode == "full" else 0.0))
+                r.prompt_tokens.append(out.cached_tokens + out.computed_tokens)
+            if (qi + 1) % 10 == 0 or qi + 1 == len(qs):
+                acc = {m: sum(res[m].correct) for m in modes}
+                log(f"[{set_name}] {qi + 1}/{len(qs)} questions, {time.perf_counter() - t_start:.0f}s: " +
+                    " ".join(f"{m}={c}" for m, c in acc.items()))
+                if checkpoint:
+                    Path(checkpoint).write_text(json.dumps(summarize(results, modes), indent=1))
+        syn.cache.clear()  # documents are not shared across sets: free their states
+        if set_name == "rag":
+            for rag in rags.values():
+                rag.close()
+    summary = summarize(results, modes)
+    summary["config"] = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens,
+                         "seed": seed, "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
+                         "seconds": round(time.perf_counter() - t_start, 1)}
+    if out_dir is not None:
+        write_report(summary, Path(out_dir))
+    if tmp is not None:
+        tmp.cleanup()
+    return summary
+
+
+def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
+    out: dict = {"sets": {}}
+    for set_name, res in results.items():
+        full = res.get("full")
+        rows = {}
+        for m in modes:
+            r = res[m]
+            n = len(r.correct)
+            if n == 0:
+                continue
+            c = sum(r.correct)
+            lo, hi = wilson(c, n)
+            med = statistics.median(r.ttft)
+            row = {"n": n, "correct": c, "accuracy": c / n, "ci95": [lo, hi], "f1": statistics.fmean(r.f1),
+                   "recomputed_fraction": statistics.fmean(r.recomputed), "median_ttft_s": med,
+                   "median_prompt_tokens": statistics.median(r.prompt_tokens)}
+            if full is not None and len(full.ttft) >= n:
+                row["agreement"] = sum(a == b for a, b in zip(r.answers, full.answers)) / n
+                row["speedup"] = statistics.median(full.ttft[:n]) / med if med else float("nan")
+            rows[m] = row
+        out["sets"][set_name] = rows
+    return out
+
+
+def write_report(summary: dict, out_dir: Path) -> tuple[Path, Path | None]:
+    """``docs/quality.md`` (a table per set) and ``docs/quality.png`` (accuracy vs speed-up)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = summary.get("config", {})
+    lines = ["# Answer quality: cached vs full prefill, with selective recomputation", "",
+             f"`pcache-rag eval quality`: {cfg.get('n_per_set', '?')} questions per set, documents of "
+             f"~{cfg.get('doc_tokens', '?')} tokens, k={cfg.get('k', '?')}, greedy answers of at most "
+             f"{cfg.get('max_new_tokens', '?')} tokens (ending at the first line break), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
+             f"{cfg.get('seconds', '?')} s in one run. Accuracy is answer-contained with a 95% Wilson interval; "
+             "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
+             "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run.",
+             ""]
+    for set_name, rows in summary["sets"].items():
+        lines += [f"## {set_name}", "",
+                  "| mode | accuracy | 95% CI | token F1 | agreement | recomputed | median TTFT | speed-up | prompt tokens |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        base = rows.get("full")
+        for m, r in rows.items():
+            within = ""
+            if base is not None and m != "full":
+                overlap = r["ci95"][1] >= base["ci95"][0] and base["ci95"][1] >= r["ci95"][0]
+                within = " ✓" if (abs(r["accuracy"] - base["accuracy"]) <= 0.02 or overlap) else ""
+            lines.append(
+                f"| {m}{within} | {r['correct']}/{r['n']} = {r['accuracy']:.1%} | {r['ci95'][0]:.1%}–{r['ci95'][1]:.1%} "
+                f"| {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
+                f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
+        lines.append("")
+    lines += ["✓: within 2 points of full prefill, or its 95% interval overlaps the baseline's.", ""]
+    md = out_dir / "quality.md"
+    md.write_text("\n".join(lines))
+    png = out_dir / "quality.png"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return md, None
+    sets = list(summary["sets"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.8), squeeze=False)
+    for ax, set_name in zip(axes[0], sets):
+        for m, r in summary["sets"][set_name].items():
+            x, y = r.get("speedup", 1.0), r["accuracy"] * 100
+            lo, hi = r["ci95"][0] * 100, r["ci95"][1] * 100
+            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
+            ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_title(set_name)
+        ax.set_xlabel("TTFT speed-up vs full prefill (log)")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return md, png

@@ -1,0 +1,46 @@
+"""`pcache-rag eval quality` at a tiny size: every set and mode runs on the same questions, the
+numbers are finite and consistent, and the Markdown table and PNG plot are written."""
+
+import json
+import math
+
+from pcache_rag.cli import main
+from pcache_rag.evalq import DEFAULT_MODES, SETS, build_sets, contains, token_f1, wilson
+
+
+def test_metrics():
+    lo, hi = wilson(17, 24)
+    assert 0.5 < lo < 17 / 24 < hi < 0.9
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
+    assert contains("The code is MY-7890.", "MY-7890") and not contains("The code is MY-7891.", "MY-7890")
+    assert token_f1("born in Oslo", "Oslo") == 0.5 and token_f1("Lima", "Oslo") == 0.0
+
+
+def test_sets_are_seeded_and_plant_their_answers(smol_tok):
+    a = build_sets(smol_tok, 4, 64, seed=1)
+    b = build_sets(smol_tok, 4, 64, seed=1)
+    assert [q.question for q in a["plain"]] == [q.question for q in b["plain"]]
+    for name in ("plain", "competing"):
+        for q in a[name]:
+            assert len(q.docs) == 4 and sum(q.answer in d for d in q.docs) >= 1
+    for q in a["cross"]:
+        assert any(q.answer in d for d in q.docs) and len(q.docs) == 4
+
+
+def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
+    out = tmp_path / "docs"
+    rc = main(["eval", "quality", "--n", "2", "--doc-tokens", "64", "--max-new-tokens", "8", "--model", str(smol_dir),
+               "--out", str(out), "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["sets"]) == set(SETS)
+    for rows in summary["sets"].values():
+        assert list(rows) == list(DEFAULT_MODES)
+        for mode, r in rows.items():
+            assert r["n"] == 2 and 0 <= r["accuracy"] <= 1 and r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
+            for key in ("f1", "recomputed_fraction", "median_ttft_s", "speedup", "agreement"):
+                assert math.isfinite(r[key]), (mode, key)
+        assert rows["full"]["agreement"] == 1.0 and rows["preamble"]["recomputed_fraction"] == 0.0
+        assert 0 < rows["epic:8"]["recomputed_fraction"] < rows["epic:32"]["recomputed_fraction"] < 1
+    assert (out / "quality.md").read_text().count("| mode |") == 4
+    assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
