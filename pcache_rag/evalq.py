@@ -207,14 +207,11 @@ class _Synthetic:
 
     def __init__(self, model, tok):
         from .engine import PromptCache
-        from .pml import bos_ids
+        from .rag.pipeline import preamble_ids
 
         self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]
-        chat = pc.chat
-        self.pre_ids = bos_ids(tok) + pc.safe.segments([
-            (chat.prefix["system"], True), (SYSTEM, False), (chat.suffix["system"], True),
-            (chat.prefix["user"], True), ("Documents:\n\n", False)])
+        self.pre_ids = preamble_ids(pc, SYSTEM)  # the same prompt pieces as CachedRAG
         P = len(self.pre_ids)
         self.pre_kv = pc.encode(self.pre_ids, list(range(P)))
         self.cache: dict[tuple[str, str], object] = {}
@@ -223,9 +220,9 @@ class _Synthetic:
         return self.pcs["preamble"].safe.text(doc + "\n\n")
 
     def q_ids(self, q: str) -> list[int]:
-        pc = self.pcs["preamble"]
-        return pc.safe.segments([(f"Question: {q}", False), (pc.chat.suffix["user"], True),
-                                 (pc.chat.generation_prompt, True)])
+        from .rag.pipeline import question_ids
+
+        return question_ids(self.pcs["preamble"], q)
 
     def _doc_kv(self, enc: str, doc: str):
         key = (enc, doc)

@@ -90,14 +90,6 @@ def read_document(path: Path) -> Document:
     return decode_text(data, str(path))
 
 
-def read_text(path: Path) -> str:
-    """The text of a supported file (see :func:`read_document`)."""
-    try:
-        return read_document(path).text
-    except SkipFile as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
 def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
     """Supported files under ``paths`` (files or directories, recursively), resolved and sorted,
     and ``(path, reason)`` for every file skipped. A path that does not exist is an error."""

@@ -168,14 +168,7 @@ class CachedRAG:
         self._index: ChromaIndex | None = None
         self._index_error: Exception | None = None
         self._open_index()
-        tok, chat = self.pc.tokenizer, self.pc.chat
-        from ..pml import bos_ids
-
-        # The system prompt is text like any other: only the template's markup is markup.
-        self.preamble_ids = bos_ids(tok) + self.pc.safe.segments([
-            (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
-            (chat.prefix["user"], True), ("Documents:\n\n", False),
-        ])
+        self.preamble_ids = preamble_ids(self.pc, system_prompt)
         P = len(self.preamble_ids)
         self.preamble_key = unit_key(self.pc.fingerprint, self.preamble_ids, range(P), None, "rag-preamble")
         self.check_fits(self.k)
@@ -424,9 +417,13 @@ class CachedRAG:
         for src, (_shas, ids, keys) in known.items():
             p = Path(src)
             if any(p == r or r in p.parents for r in roots) and not p.exists():
-                self.index.delete(ids)
-                self._release(keys)
+                self._drop(ids, keys)
                 rep.removed += 1
+
+    def _drop(self, ids, keys) -> None:
+        """Remove chunks from chroma, then the states no other chunk uses."""
+        self.index.delete(ids)
+        self._release(keys)
 
     def _release(self, keys) -> None:
         """Remove the states of ``keys`` that no chunk uses any more (identical files share states)."""
@@ -442,8 +439,7 @@ class CachedRAG:
         n = 0
         for src, (_shas, ids, keys) in self.index.sources().items():
             if not Path(src).exists():
-                self.index.delete(ids)
-                self._release(keys)
+                self._drop(ids, keys)
                 n += 1
         if n:
             self._write_manifest()
@@ -492,8 +488,7 @@ class CachedRAG:
             chunks = dict(self.index.chunks())
             srcs = {chunks[c]["source"] for c in drop if c in chunks}
             keys = [chunks[c]["kv_key"] for c in drop if c in chunks]
-            self.index.delete(sorted(drop))
-            self._release(keys)
+            self._drop(sorted(drop), keys)
             fixed.append(f"removed {len(drop)} stale or duplicate chunks of {len(srcs)} files")
             have = set(self.index.sources())
             again = [s for s in srcs if s not in have and Path(s).exists()]
@@ -551,10 +546,7 @@ class CachedRAG:
         return q
 
     def question_ids(self, question: str) -> list[int]:
-        chat = self.pc.chat
-        # The question is text: control-token strings in it stay characters.
-        return self.pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
-                                      (chat.generation_prompt, True)])
+        return question_ids(self.pc, question)
 
     def _parts(self, handles: list[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
         parts = [("preamble", self.preamble())]
@@ -618,6 +610,26 @@ class CachedRAG:
 
     def close(self) -> None:
         self.pc.store.close()
+
+
+def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
+    """The RAG preamble: BOS, the system turn, and the opening of the user turn. The system
+    prompt is text like any other: only the chat template's markup is markup."""
+    from ..pml import bos_ids
+
+    chat = pc.chat
+    return bos_ids(pc.tokenizer) + pc.safe.segments([
+        (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
+        (chat.prefix["user"], True), ("Documents:\n\n", False),
+    ])
+
+
+def question_ids(pc: PromptCache, question: str) -> list[int]:
+    """The question after the documents, closing the user turn and opening the assistant's.
+    The question is text: control-token strings in it stay characters."""
+    chat = pc.chat
+    return pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
+                             (chat.generation_prompt, True)])
 
 
 # Room kept per chunk for its file-name header, and for the question and the answer.
