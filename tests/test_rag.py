@@ -116,50 +116,39 @@ def test_learned_positions_get_per_slot_encodings(smol_tok, tmp_path, corpus):
 # ---------------------------------------------------------------- LlamaIndex
 
 
-def test_llamaindex_query_engine_sync_streaming_async(rag):
-    from pcache_llamaindex import PromptCacheLLM, build_query_engine
+def test_llamaindex_query_engine_over_an_index(rag):
+    """build_query_engine(index_dir): the retriever's nodes are the chunks as encoded at ingest,
+    so the answer reads every chunk from the store and computes only the question."""
+    from pcache_llamaindex import build_query_engine
+    from pcache_rag.assembly import register_engine
 
+    register_engine(rag.pc, None, str(rag.index_dir / "kv"))
     q = "What is the capital of France?"
-    engine = build_query_engine(rag, max_new_tokens=8)
+    engine = build_query_engine(str(rag.index_dir), similarity_top_k=2, max_new_tokens=8)
     r = engine.query(q)
     assert str(r).strip() and r.source_nodes and "module_id" in r.source_nodes[0].node.metadata
-    o = rag.pc.last_output
-    assert o.cached_tokens > 0 and o.computed_tokens == len(rag.question_ids(q))
+    st = r.metadata["pcache"]
+    assert st["cached_tokens"] > 0 and st["encoded_tokens"] == 0
+    assert st["computed_tokens"] == len(rag.question_ids(q))
 
-    s = build_query_engine(rag, streaming=True, max_new_tokens=8).query(q)
+    s = build_query_engine(str(rag.index_dir), similarity_top_k=2, streaming=True, max_new_tokens=8).query(q)
     deltas = list(s.response_gen)
     assert len(deltas) >= 2 and "".join(deltas) == rag.pc.last_output.text
-    assert rag.pc.last_output.computed_tokens == len(rag.question_ids(q))
 
-    a = asyncio.run(build_query_engine(rag, max_new_tokens=8).aquery(q))
-    assert str(a).strip() and rag.pc.last_output.cached_tokens > 0
-
-    plain = PromptCacheLLM(rag, max_new_tokens=4).complete("Say hello.")
-    assert plain.text and plain.additional_kwargs["cached_tokens"] == 0
+    a = asyncio.run(build_query_engine(str(rag.index_dir), max_new_tokens=8).aquery(q))
+    assert str(a).strip() and a.metadata["pcache"]["cached_tokens"] > 0
 
 
 # ---------------------------------------------------------------- LangChain
 
 
-def test_langchain_chain_invoke_stream_ainvoke(rag):
+def test_langchain_text_llm_streams_with_callbacks(smol):
     from langchain_core.callbacks import BaseCallbackHandler
 
-    from pcache_langchain import PromptCacheLLM, PromptCacheRetriever, build_qa_chain
+    from pcache_langchain import PromptCacheTextLLM
+    from pcache_rag.assembly import format_documents, register_engine
 
-    q = "What is sushi?"
-    docs = PromptCacheRetriever(rag=rag, k=2).invoke(q)
-    assert docs and "module_id" in docs[0].metadata and "kv_key" in docs[0].metadata
-
-    chain = build_qa_chain(rag, k=2, max_new_tokens=8)
-    text = chain.invoke(q)
-    assert text.strip() and text == rag.pc.last_output.text
-    assert rag.pc.last_output.cached_tokens > 0
-    assert rag.pc.last_output.computed_tokens == len(rag.question_ids(q))
-
-    parts = list(chain.stream(q))
-    assert len(parts) >= 2 and "".join(parts) == rag.pc.last_output.text
-
-    assert asyncio.run(chain.ainvoke(q)).strip()
+    register_engine(smol, "smollm2-135m-instruct", "/nonexistent/pcache-text-llm")
 
     class Count(BaseCallbackHandler):
         n = 0
@@ -167,8 +156,13 @@ def test_langchain_chain_invoke_stream_ainvoke(rag):
         def on_llm_new_token(self, token, **kw):
             Count.n += 1
 
-    out = PromptCacheLLM(rag=rag, max_new_tokens=5).invoke("Say hi.", config={"callbacks": [Count()]})
+    llm = PromptCacheTextLLM(cache_dir="/nonexistent/pcache-text-llm", max_tokens=5)
+    out = llm.invoke("Say hi.", config={"callbacks": [Count()]})
     assert out and Count.n >= 2
+    prompt = "Notes:\n" + format_documents(["Sushi is a Japanese dish."]) + "Q: What is sushi?\nA:"
+    llm.invoke(prompt)
+    llm.invoke(prompt)
+    assert smol.last_output.cached_tokens > 0
 
 
 def test_chroma_server_via_url(smol, tmp_path, corpus):

@@ -13,3 +13,36 @@ def test_quick_start_block_runs(smol_dir, capsys):
     exec(compile(code, "README.md:quick-start", "exec"), {})
     out = capsys.readouterr().out
     assert out.strip(), "the example printed an answer"
+
+
+def _framework_block(title: str) -> str:
+    text = README.read_text()
+    part = text[text.index(title):]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+def _my_docs(tmp_path, monkeypatch, smol):
+    from pcache_rag.assembly import register_engine
+
+    register_engine(smol)  # the default config's engine: the session's model, an in-memory store
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-docs").mkdir()
+    (tmp_path / "my-docs" / "gates.md").write_text(
+        "The access code for the north gate is 4417.\n\nThe south gate code is 9023.\n")
+    (tmp_path / "my-docs" / "ferry.md").write_text("The ferry to the island leaves at 07:45 every morning.\n")
+
+
+def test_llamaindex_example_runs(tmp_path, monkeypatch, smol, capsys):
+    _my_docs(tmp_path, monkeypatch, smol)
+    exec(compile(_framework_block("**LlamaIndex** (`pip"), "README.md:llamaindex", "exec"), {})
+    out = capsys.readouterr().out
+    assert "4417" in out and "'cached_tokens'" in out
+    assert smol.last_output.cached_tokens > 0
+
+
+def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
+    _my_docs(tmp_path, monkeypatch, smol)
+    exec(compile(_framework_block("**LangChain** (`pip"), "README.md:langchain", "exec"), {})
+    out = capsys.readouterr().out
+    assert "4417" in out and "gates.md" in out
+    assert smol.last_output.cached_tokens > 0

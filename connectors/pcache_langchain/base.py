@@ -1,115 +1,372 @@
 """LangChain classes over pcache-rag's public API.
 
-* :class:`PromptCacheRetriever` - a ``BaseRetriever`` returning ``Document``s
-  whose metadata carries the module id and store key.
-* :class:`PromptCacheLLM` - an ``LLM``: ``invoke(question, handles=[...])``
-  answers from cached states (``_call``/``_stream``, emitting
-  ``on_llm_new_token``); without handles it reads the plain prompt.
-* :func:`build_qa_chain` - an LCEL runnable question -> answer supporting
-  ``invoke``, ``stream`` and ``ainvoke``.
+* :class:`ChatPromptCache` - a ``BaseChatModel``: messages go through the model's own
+  chat template; documents marked by :func:`format_docs` (in any prompt template) are read
+  from cached states, the rest is computed. ``usage_metadata`` reports cached tokens as
+  ``input_token_details.cache_read``; time-to-first-token and computed counts are in
+  ``response_metadata``.
+* :class:`PromptCacheDocumentEncoder` - a document transformer that encodes each
+  document's states (for any ``VectorStore``: encode, then ``add_documents``).
+* :func:`format_docs` / :func:`create_cached_documents_chain` - the drop-in for
+  ``create_stuff_documents_chain`` (use it in ``create_retrieval_chain``) and for the
+  tutorial's ``format_docs``.
+* :class:`PromptCacheRetriever` - a retriever over a ``pcache-rag ingest`` index.
+* :class:`PromptCacheTextLLM` - a text ``LLM`` (a completion prompt, no chat template).
+* :func:`build_qa_chain` - retrieval chain over an index: ``{"input", "context", "answer"}``.
+
+Every class is built from plain config (model path, states folder or index folder) and
+shares one engine per config in the process (:func:`pcache_rag.assembly.shared_engine`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
-from langchain_core.documents import Document
+from langchain_core.documents import BaseDocumentTransformer, Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.language_models.llms import LLM
-from langchain_core.outputs import GenerationChunk
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
+                                     SystemMessage)
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
+from langchain_core.prompts import BasePromptTemplate
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import Runnable, RunnableGenerator, RunnableLambda
+from langchain_core.runnables import Runnable, RunnablePassthrough
+from pydantic import ConfigDict, Field, PrivateAttr
 
-from pcache_rag.rag import CachedRAG, ModuleHandle
+from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
+                                 shared_engine)
+from pcache_rag.recompute import Recompute
 
-
-def handles_from_documents(docs: list[Document]) -> list[ModuleHandle]:
-    out = []
-    for d in docs:
-        m = d.metadata
-        if "module_id" not in m:
-            raise ValueError("document has no module_id in its metadata: retrieve with PromptCacheRetriever")
-        out.append(ModuleHandle(id=m["module_id"], score=float(m.get("score", 0.0)), kv_key=m["kv_key"],
-                                source=m.get("source", ""), text=d.page_content, n_tokens=int(m.get("n_tokens", 0)),
-                                metadata=dict(m)))
-    return out
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-class PromptCacheRetriever(BaseRetriever):
-    """Retrieves chunk handles as Documents and starts prefetching their states."""
-
-    rag: Any  # CachedRAG (Any: pydantic need not validate it)
-    k: int = 4
-
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        docs = []
-        for h in self.rag.retrieve(query, self.k):
-            meta = dict(h.metadata)
-            meta.update({"module_id": h.id, "kv_key": h.kv_key, "source": h.source, "score": h.score})
-            docs.append(Document(page_content=h.text, metadata=meta, id=h.id))
-        return docs
+def format_docs(docs: Sequence[Document], separator: str = "\n\n") -> str:
+    """The documents' text for a prompt's ``{context}``, each marked as a cached module.
+    Use it where the LangChain RAG tutorial uses its own ``format_docs``."""
+    return format_documents([d.page_content for d in docs], separator)
 
 
-class PromptCacheLLM(LLM):
-    """A LangChain LLM that answers from cached module states when given handles."""
+def create_cached_documents_chain(llm: Runnable, prompt: BasePromptTemplate, *,
+                                  document_variable_name: str = "context",
+                                  output_parser: Runnable | None = None) -> Runnable:
+    """Drop-in for ``create_stuff_documents_chain``: the documents in ``inputs[document_variable_name]``
+    reach :class:`ChatPromptCache` as cached modules instead of pasted text. Works inside
+    ``create_retrieval_chain``; the prompt's other variables are filled as usual."""
+    if document_variable_name not in prompt.input_variables:
+        raise ValueError(f"the prompt has no {{{document_variable_name}}} variable: {prompt.input_variables}")
 
-    rag: Any  # CachedRAG
-    max_new_tokens: int = 128
-    recompute: str | None = None  # e.g. "epic:16"; None: the CachedRAG's policy
+    def fmt(inputs: dict) -> str:
+        return format_docs(inputs[document_variable_name])
+
+    return (RunnablePassthrough.assign(**{document_variable_name: fmt}).with_config(run_name="format_inputs")
+            | prompt | llm | (output_parser or StrOutputParser())).with_config(run_name="cached_documents_chain")
+
+
+class _EngineConfig:
+    """Shared config fields: which model and where document states live."""
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["pcache_langchain"]
+
+    def _engine_key(self) -> tuple[str | None, str | None]:
+        if self.index_dir:
+            return self.model, str(Path(self.index_dir).expanduser() / "kv")
+        return self.model, self.cache_dir
+
+    def _gen(self, stop: list[str] | None, kwargs: dict) -> dict:
+        """Engine arguments from the instance's defaults and a call's overrides; anything the
+        engine cannot honour is refused by name."""
+        name = type(self).__name__
+        unknown = set(kwargs) - {"temperature", "top_p", "seed", "max_tokens", "recompute", "model"}
+        if unknown:
+            raise TypeError(f"{name} does not support: {', '.join(sorted(unknown))}")
+        if kwargs.get("model", self.model) != self.model:
+            raise ValueError(f"this {name} serves {self.model!r}, not {kwargs['model']!r}")
+        t = float(kwargs.get("temperature", self.temperature))
+        return {"max_new_tokens": int(kwargs.get("max_tokens", self.max_tokens)), "do_sample": t > 0,
+                "temperature": t if t > 0 else 1.0, "top_p": float(kwargs.get("top_p", self.top_p)),
+                "seed": kwargs.get("seed", self.seed), "stop": list(stop if stop is not None else self.stop or []),
+                "recompute": kwargs.get("recompute", self.recompute)}
+
+    def _asm(self) -> Assembler:
+        if self._assembler is None:
+            model, cache_dir = self._engine_key()
+            self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble)
+        return self._assembler
+
+
+def _content(m: BaseMessage) -> str:
+    c = m.content
+    if isinstance(c, str):
+        return c
+    parts = []
+    for block in c:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatPromptCache reads text only; a {kind!r} content block is not supported")
+    return "".join(parts)
+
+
+def _role(m: BaseMessage) -> str:
+    if isinstance(m, SystemMessage):
+        return "system"
+    if isinstance(m, HumanMessage):
+        return "user"
+    if isinstance(m, AIMessage):
+        if m.tool_calls:
+            raise NotImplementedError("ChatPromptCache does not support tool calling")
+        return "assistant"
+    if isinstance(m, ChatMessage) and m.role in ("system", "user", "assistant"):
+        return m.role
+    raise NotImplementedError(f"ChatPromptCache does not support {type(m).__name__} messages "
+                              "(tool calling is not supported)")
+
+
+class ChatPromptCache(_EngineConfig, BaseChatModel):
+    """A chat model that reads marked documents from cached attention states.
+
+    ``model``: the embedded ``smollm2-135m-instruct`` or a local model folder / ``.gguf``.
+    States live in ``index_dir/kv`` (an index made by ``pcache-rag ingest``), else in
+    ``cache_dir`` (default ``~/.cache/pcache-rag/states``). Sampling: ``temperature`` 0 is
+    greedy; ``top_p``, ``seed`` and ``stop`` are honoured. ``recompute`` sets the quality
+    recovery policy (``"epic:16"``, ``"blend:0.3"``; see :mod:`pcache_rag.recompute`).
+    ``document_preamble`` is the system prompt documents are encoded against; the prompt's
+    own system message may differ (only its prefix is encoded then).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model: str = Field(default=DEFAULT_MODEL, alias="model_name")
+    index_dir: str | None = None
+    cache_dir: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    recompute: str | None = None
+    document_preamble: str = DEFAULT_SYSTEM
+    #: accepted for drop-in compatibility with hosted models; a local model has no network call
+    #: to time out or retry, so setting either warns that it has no effect
+    timeout: float | None = None
+    max_retries: int | None = None
+    _assembler: Assembler | None = PrivateAttr(default=None)
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.recompute is not None:
+            Recompute.parse(self.recompute)  # a bad policy is refused here, not at the first call
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        for name in ("timeout", "max_retries"):
+            if getattr(self, name) is not None:
+                warnings.warn(f"ChatPromptCache runs the model in this process: {name}={getattr(self, name)!r} "
+                              "has no effect", stacklevel=3)
 
     @property
     def _llm_type(self) -> str:
         return "pcache-rag"
 
     @property
-    def _identifying_params(self) -> dict:
-        return {"model": self.rag.pc.model.config.model_type, "max_new_tokens": self.max_new_tokens}
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, "temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens, "recompute": self.recompute}
 
-    def _gen(self, stop, kwargs) -> dict:
-        return {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "pcache_rag"
+        params["ls_model_name"] = kwargs.get("model", self.model)
+        params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def _run(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | CachedOutput]:
+        asm = self._asm()
+        gen = self._gen(stop, kwargs)
+        recompute = gen.pop("recompute")
+        segs = asm.message_segments([(_role(m), _content(m)) for m in messages])
+        return asm.stream(segs, recompute=recompute, **gen)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        for item in self._run(messages, stop, kwargs):
+            if isinstance(item, CachedOutput):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(
+                    content="", usage_metadata=_usage(item), response_metadata=self._meta(item),
+                    chunk_position="last"))
+            else:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
+                if run_manager:
+                    run_manager.on_llm_new_token(item, chunk=chunk)
+            yield chunk
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        out = None
+        for item in self._run(messages, stop, kwargs):
+            if isinstance(item, CachedOutput):
+                out = item
+            elif run_manager:
+                run_manager.on_llm_new_token(item)
+        assert out is not None
+        meta = self._meta(out)
+        msg = AIMessage(content=out.text, usage_metadata=_usage(out), response_metadata=meta)
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)],
+                          llm_output={"model_name": self.model, **out.stats()})
+
+    def _meta(self, out: CachedOutput) -> dict:
+        return {"model_name": self.model, "model_provider": "pcache_rag", **out.stats()}
+
+
+def _usage(out: CachedOutput) -> dict:
+    n = len(out.output.token_ids)
+    return {"input_tokens": out.prompt_tokens, "output_tokens": n, "total_tokens": out.prompt_tokens + n,
+            "input_token_details": {"cache_read": out.cache_read}}
+
+
+class PromptCacheTextLLM(_EngineConfig, LLM):
+    """A text-completion ``LLM``: the prompt is read as it is (no chat template); marked documents
+    in it come from cached states. For chat models and RAG prompts prefer :class:`ChatPromptCache`."""
+
+    model: str = DEFAULT_MODEL
+    index_dir: str | None = None
+    cache_dir: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    recompute: str | None = None
+    document_preamble: str = DEFAULT_SYSTEM
+    _assembler: Assembler | None = PrivateAttr(default=None)
+
+    @property
+    def _llm_type(self) -> str:
+        return "pcache-rag-text"
+
+    @property
+    def _identifying_params(self) -> dict:
+        return {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def _call(self, prompt: str, stop: list[str] | None = None,
               run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> str:
-        text = ""
-        for chunk in self._stream(prompt, stop, run_manager, **kwargs):
-            text += chunk.text
-        return text
+        return "".join(c.text for c in self._stream(prompt, stop, run_manager, **kwargs))
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
-        handles = kwargs.get("handles")
+        asm = self._asm()
         gen = self._gen(stop, kwargs)
-        recompute = kwargs.get("recompute", self.recompute)
-        it = (self.rag.stream(prompt, handles=handles, **({"recompute": recompute} if recompute else {}), **gen)
-              if handles else self.rag.pc.stream_text(prompt, **gen))
-        for delta in it:
-            chunk = GenerationChunk(text=delta)
+        recompute = gen.pop("recompute")
+        for item in asm.stream(asm.text_segments(prompt), recompute=recompute, **gen):
+            if isinstance(item, CachedOutput):
+                yield GenerationChunk(text="", generation_info=item.stats())
+                continue
+            chunk = GenerationChunk(text=item)
             if run_manager:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
+                run_manager.on_llm_new_token(item, chunk=chunk)
             yield chunk
 
 
-def build_qa_chain(rag: CachedRAG, k: int = 4, max_new_tokens: int = 128) -> Runnable:
-    """question (str) -> answer (str), through the cache: retrieve handles, then generate."""
-    retriever = PromptCacheRetriever(rag=rag, k=k)
-    llm = PromptCacheLLM(rag=rag, max_new_tokens=max_new_tokens)
+class PromptCacheDocumentEncoder(_EngineConfig, BaseDocumentTransformer):
+    """Encodes each document's attention states into the store and records the handle in its
+    metadata (``pcache_kv_key``), for any vector store::
 
-    def retrieve(question: str) -> dict:
-        return {"question": question, "handles": handles_from_documents(retriever.invoke(question))}
+        docs = PromptCacheDocumentEncoder().transform_documents(splits)
+        vectorstore.add_documents(docs)
 
-    def answer(inputs: Iterator[dict]) -> Iterator[str]:
-        for x in inputs:
-            yield from llm.stream(x["question"], handles=x["handles"])
+    Use the same ``model`` / ``cache_dir`` (or ``index_dir``) as the :class:`ChatPromptCache`
+    that answers. Documents are keyed by their text, so encoding twice costs nothing."""
 
-    async def aanswer(inputs: AsyncIterator[dict]) -> AsyncIterator[str]:
-        async for x in inputs:
-            it = iter(llm.stream(x["question"], handles=x["handles"]))
-            while True:
-                delta = await asyncio.to_thread(next, it, None)
-                if delta is None:
-                    return
-                yield delta
+    def __init__(self, model: str = DEFAULT_MODEL, cache_dir: str | None = None, index_dir: str | None = None,
+                 document_preamble: str = DEFAULT_SYSTEM, progress: bool = True):
+        self.model, self.cache_dir, self.index_dir = model, cache_dir, index_dir
+        self.document_preamble, self.progress = document_preamble, progress
+        self._assembler = None
 
-    return RunnableLambda(retrieve) | RunnableGenerator(answer, aanswer)
+    def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[Document]:
+        keys = self._asm().ensure([d.page_content for d in documents], progress=self.progress)
+        return [Document(page_content=d.page_content, metadata={**d.metadata, "pcache_kv_key": k}, id=d.id)
+                for d, k in zip(documents, keys)]
+
+
+class MiniLMEmbeddings(Embeddings):
+    """The packaged all-MiniLM-L6-v2 (384-dim) as LangChain ``Embeddings``: offline, no hub."""
+
+    def __init__(self):
+        from pcache_rag.rag import MiniLMEmbedder
+
+        self._e = MiniLMEmbedder()
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [list(map(float, v)) for v in self._e.embed(list(texts))]
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed_documents([text])[0]
+
+
+class PromptCacheRetriever(BaseRetriever):
+    """Retrieves chunks from an index made by ``pcache-rag ingest`` (``index_dir``). Each
+    document's text is the chunk exactly as the model reads it, so :func:`format_docs` hits
+    the states encoded at ingest. ``k`` is the default; ``invoke(q, k=2)`` overrides it."""
+
+    index_dir: str
+    k: int = 4
+    model: str = DEFAULT_MODEL
+    _rag: Any = PrivateAttr(default=None)
+
+    def model_post_init(self, __context: Any) -> None:
+        from pcache_rag.rag import check_index_dir
+
+        if isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"k must be a positive integer, not {self.k!r}")
+        check_index_dir(self.index_dir, create=False)  # a mistyped path is an error, not an empty index
+
+    @property
+    def rag(self):
+        if self._rag is None:
+            from pcache_rag.rag import CachedRAG
+
+            pc = shared_engine(self.model, str(Path(self.index_dir).expanduser() / "kv"))
+            self._rag = CachedRAG(self.index_dir, pc=pc, k=self.k, create=False)
+        return self._rag
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                k: int | None = None) -> list[Document]:
+        docs = []
+        for h in self.rag.retrieve(query, k or self.k):
+            meta = dict(h.metadata)
+            meta.update({"module_id": h.id, "kv_key": h.kv_key, "source": h.source, "score": h.score})
+            docs.append(Document(page_content=self.rag.chunk_text(h), metadata=meta, id=h.id))
+        return docs
+
+
+def build_qa_chain(index_dir: str, k: int = 4, max_tokens: int = 128, prompt: BasePromptTemplate | None = None,
+                   **chat_kwargs: Any) -> Runnable:
+    """``create_retrieval_chain`` over a pcache-rag index: ``{"input": q}`` in,
+    ``{"input", "context" (the source documents), "answer"}`` out."""
+    from langchain_core.prompts import ChatPromptTemplate
+
+    retriever = PromptCacheRetriever(index_dir=index_dir, k=k)
+    llm = ChatPromptCache(index_dir=index_dir, max_tokens=max_tokens, **chat_kwargs)
+    prompt = prompt or ChatPromptTemplate.from_messages([
+        ("system", DEFAULT_SYSTEM), ("human", "Documents:\n\n{context}\n\nQuestion: {input}")])
+    docs_chain = create_cached_documents_chain(llm, prompt)
+    retrieval = (lambda x: x["input"]) | retriever
+    return (RunnablePassthrough.assign(context=retrieval.with_config(run_name="retrieve_documents"))
+            .assign(answer=docs_chain).with_config(run_name="retrieval_chain"))

@@ -1,168 +1,446 @@
 """LlamaIndex classes over pcache-rag's public API.
 
-* :class:`PromptCacheLLM` - a ``CustomLLM``. ``complete(prompt, handles=[...])``
-  answers ``prompt`` (the question) from the handles' cached states; with no
-  handles it is an ordinary LLM over the plain text prompt.
-* :class:`ModuleRetriever` - a ``BaseRetriever`` returning ``NodeWithScore``
-  whose metadata carries the module id and store key (text for display only).
-* :class:`ModuleSynthesizer` - hands *handles*, not text, to the LLM; sync,
-  streaming and async.
-* :func:`build_query_engine` - a stock ``RetrieverQueryEngine`` of the two.
+* :class:`PromptCacheLLM` - an LLM whose ``chat`` goes through the model's own chat
+  template; documents marked in a prompt (:func:`pcache_rag.assembly.format_documents`)
+  are read from cached states. Sync, streaming and async (async runs off the event loop).
+  Every response carries ``ttft_s``, ``cached_tokens`` and ``computed_tokens`` in
+  ``additional_kwargs``.
+* :class:`PromptCacheEncoder` - a ``TransformComponent`` for ``IngestionPipeline``: encodes
+  each node's states and writes the handle (``pcache_kv_key``) into its metadata, for any
+  vector store.
+* :class:`PromptCacheSynthesizer` - a response synthesizer that hands the retrieved nodes to
+  the LLM as cached modules: ``index.as_query_engine(llm=llm, response_synthesizer=...)``.
+  Its ``text_qa_template`` (a ``PromptTemplate`` or ``ChatPromptTemplate`` with
+  ``{context_str}`` and ``{query_str}``) can be replaced with ``update_prompts``.
+* :class:`PromptCacheChatEngine` - ``CondensePlusContextChatEngine`` whose context comes from
+  cached states (the chat history goes after the documents).
+* :class:`PromptCacheRetriever` - a retriever over an index made by ``pcache-rag ingest``.
+* :func:`build_query_engine` - a stock ``RetrieverQueryEngine`` of the retriever and synthesizer.
+* :class:`PromptCacheFileReader` / :func:`file_extractor` - PDF, HTML and DOCX for
+  ``SimpleDirectoryReader``, with the parsers ``pcache-rag ingest`` uses.
+
+Nodes are keyed by ``node.get_content(metadata_mode=MetadataMode.LLM)``: the text the LLM
+would read. A node that nobody encoded is encoded on first use and stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
+                                              CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
+                                              LLMMetadata, MessageRole)
+from llama_index.core.chat_engine import CondensePlusContextChatEngine
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-from pydantic import PrivateAttr
+from llama_index.core.readers.base import BaseReader
+from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode,
+                                     TransformComponent)
+from pydantic import Field, PrivateAttr
 
-from pcache_rag.rag import CachedRAG, ModuleHandle
+from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
+                                 shared_engine)
+from pcache_rag.recompute import Recompute
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KEY = "pcache_kv_key"
+
+#: the default question prompt: the system prompt and preface documents are encoded against,
+#: so the whole prefix is one cached module and only the question is computed
+DEFAULT_QA_TEMPLATE = ChatPromptTemplate.from_messages([
+    ("system", DEFAULT_SYSTEM), ("user", "Documents:\n\n{context_str}\n\nQuestion: {query_str}")])
 
 
-def handles_from_nodes(nodes: Sequence[NodeWithScore]) -> list[ModuleHandle]:
-    """Rebuild module handles from retrieved nodes (their metadata carries the module)."""
-    out = []
-    for n in nodes:
-        m = n.node.metadata
-        if "module_id" not in m:
-            raise ValueError("node has no module_id in its metadata: retrieve with ModuleRetriever")
-        out.append(ModuleHandle(id=m["module_id"], score=float(n.score or 0.0), kv_key=m["kv_key"],
-                                source=m.get("source", ""), text=n.node.get_content(),
-                                n_tokens=int(m.get("n_tokens", 0)), metadata=dict(m)))
-    return out
+def _engine_key(model: str, index_dir: str | None, cache_dir: str | None) -> tuple[str, str | None]:
+    if index_dir:
+        return model, str(Path(index_dir).expanduser() / "kv")
+    return model, cache_dir
 
 
 class PromptCacheLLM(CustomLLM):
-    """A LlamaIndex LLM that answers from cached module states when given handles."""
+    """A LlamaIndex LLM on pcache-rag's engine (see the module docstring).
 
-    max_new_tokens: int = 128
-    model_name: str = "pcache-rag"
-    recompute: str | None = None  # e.g. "epic:16"; None: the CachedRAG's policy
-    _rag: CachedRAG = PrivateAttr()
+    ``model``: the embedded ``smollm2-135m-instruct`` or a local folder / ``.gguf``. States live
+    in ``index_dir/kv`` (an index made by ``pcache-rag ingest``), else ``cache_dir`` (default
+    ``~/.cache/pcache-rag/states``). ``temperature`` 0 is greedy; ``top_p``, ``seed`` and
+    ``stop`` are honoured, per instance or per call. ``complete(prompt)`` reads the prompt as
+    one user turn of the chat template (``formatted=True``: as raw text).
+    """
 
-    def __init__(self, rag: CachedRAG, max_new_tokens: int = 128, **kwargs: Any):
-        super().__init__(max_new_tokens=max_new_tokens, **kwargs)
-        self._rag = rag
+    model: str = DEFAULT_MODEL
+    index_dir: str | None = None
+    cache_dir: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    recompute: str | None = Field(default=None, description="quality recovery policy, e.g. 'epic:16'")
+    document_preamble: str = DEFAULT_SYSTEM
+    _assembler: Assembler | None = PrivateAttr(default=None)
+
+    def model_post_init(self, __context: Any) -> None:
+        super().model_post_init(__context)
+        if self.recompute is not None:
+            Recompute.parse(self.recompute)
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PromptCacheLLM"
 
     @property
-    def rag(self) -> CachedRAG:
-        return self._rag
+    def assembler(self) -> Assembler:
+        if self._assembler is None:
+            self._assembler = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
+                                            self.document_preamble)
+        return self._assembler
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self._rag.pc.max_positions, num_output=self.max_new_tokens,
-                           model_name=self.model_name, is_chat_model=False)
+        # the context window needs the engine; before it is loaded, the embedded model's
+        window = self._assembler.pc.max_positions if self._assembler is not None else 8192
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens, model_name=self.model,
+                           is_chat_model=True, system_role=MessageRole.SYSTEM)
 
-    def _recompute(self, kwargs: dict) -> dict:
-        r = kwargs.pop("recompute", self.recompute)
-        return {} if r is None else {"recompute": r}
+    # ------------------------------------------------------------------ internals
 
-    def _stats(self) -> dict:
-        o = self._rag.pc.last_output
-        return {} if o is None else {"ttft_s": o.ttft_s, "cached_tokens": o.cached_tokens,
-                                     "computed_tokens": o.computed_tokens, "recomputed_tokens": o.recomputed_tokens}
+    def _gen(self, kwargs: dict) -> tuple[dict, Any]:
+        kwargs = dict(kwargs)
+        kwargs.pop("formatted", None)
+        unknown = set(kwargs) - {"temperature", "top_p", "seed", "stop", "max_new_tokens", "max_tokens", "recompute"}
+        if unknown:
+            raise TypeError(f"PromptCacheLLM does not support: {', '.join(sorted(unknown))}")
+        t = float(kwargs.get("temperature", self.temperature))
+        n = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        return ({"max_new_tokens": int(n), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
+                 "top_p": float(kwargs.get("top_p", self.top_p)), "seed": kwargs.get("seed", self.seed),
+                 "stop": list(kwargs.get("stop", self.stop) or [])},
+                kwargs.get("recompute", self.recompute))
+
+    def _segments(self, messages: Sequence[ChatMessage]):
+        msgs = []
+        for m in messages:
+            role = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
+                    MessageRole.DEVELOPER: "system"}.get(m.role)
+            if role is None:
+                raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages "
+                                          "(tool calling is not supported)")
+            msgs.append((role, m.content or ""))
+        return self.assembler.message_segments(msgs)
+
+    def _prompt_segments(self, prompt: str, formatted: bool):
+        if formatted:
+            return self.assembler.text_segments(prompt)
+        return self.assembler.message_segments([("user", prompt)])
+
+    def _iter(self, segs, kwargs) -> Generator[str | CachedOutput, None, None]:
+        gen, recompute = self._gen(kwargs)
+        return self.assembler.stream(segs, recompute=recompute, **gen)
+
+    def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
+        text = ""
+        for item in self._iter(self._prompt_segments(prompt, formatted), kwargs):
+            if isinstance(item, CachedOutput):
+                yield CompletionResponse(text=text, delta="", additional_kwargs=item.stats(), raw=item.stats())
+            else:
+                text += item
+                yield CompletionResponse(text=text, delta=item)
+
+    def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
+        text = ""
+        for item in self._iter(self._segments(messages), kwargs):
+            if isinstance(item, CachedOutput):
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                                   additional_kwargs=item.stats(), raw=item.stats())
+            else:
+                text += item
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
+
+    # ------------------------------------------------------------------ sync
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        handles = kwargs.pop("handles", None)
-        gen = {"max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens)}
-        if handles:
-            text = self._rag.answer(prompt, handles=handles, **self._recompute(kwargs), **gen).text
-        else:
-            text = self._rag.pc.generate_text(prompt, **gen).text
-        return CompletionResponse(text=text, additional_kwargs=self._stats())
+        last = None
+        for last in self._complete_iter(prompt, formatted, kwargs):
+            pass
+        return last
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        handles = kwargs.pop("handles", None)
-        gen = {"max_new_tokens": kwargs.pop("max_new_tokens", self.max_new_tokens)}
-        it = (self._rag.stream(prompt, handles=handles, **self._recompute(kwargs), **gen) if handles
-              else self._rag.pc.stream_text(prompt, **gen))
+        return self._complete_iter(prompt, formatted, kwargs)
 
-        def responses():
-            text = ""
-            for delta in it:
-                text += delta
-                yield CompletionResponse(text=text, delta=delta)
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        last = None
+        for last in self._chat_iter(messages, kwargs):
+            pass
+        return last
 
-        return responses()
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._chat_iter(messages, kwargs)
+
+    # ------------------------------------------------------------------ async: the engine runs in a worker thread
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(lambda: list(self._complete_iter(prompt, formatted, kwargs))[-1])
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return _athread(self._complete_iter(prompt, formatted, kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(lambda: list(self._chat_iter(messages, kwargs))[-1])
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return _athread(self._chat_iter(messages, kwargs))
 
 
-class ModuleRetriever(BaseRetriever):
-    """Retrieves chunk handles (as nodes) and starts prefetching their states."""
+async def _athread(it) -> AsyncGenerator:
+    """Advance a blocking generator in worker threads (the engine allows that)."""
+    while True:
+        item = await asyncio.to_thread(next, it, None)
+        if item is None:
+            return
+        yield item
 
-    def __init__(self, rag: CachedRAG, k: int | None = None, **kwargs: Any):
+
+class PromptCacheEncoder(TransformComponent):
+    """Encodes each node's attention states into the store (an ``IngestionPipeline`` step; put it
+    after the splitter) and records the handle in ``node.metadata["pcache_kv_key"]`` (hidden from
+    embeddings and the LLM). Use the same ``model`` and ``cache_dir`` / ``index_dir`` as the
+    :class:`PromptCacheLLM` that answers. Encoding a node twice costs nothing."""
+
+    model: str = DEFAULT_MODEL
+    index_dir: str | None = None
+    cache_dir: str | None = None
+    document_preamble: str = DEFAULT_SYSTEM
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PromptCacheEncoder"
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[BaseNode]:
+        asm = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
+                            self.document_preamble)
+        for n in nodes:  # the key stays out of the text the LLM reads, so the key never changes it
+            for keys in (n.excluded_llm_metadata_keys, n.excluded_embed_metadata_keys):
+                if KEY not in keys:
+                    keys.append(KEY)
+        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+        keys = asm.ensure(texts, progress=bool(kwargs.get("show_progress", False)))
+        for n, k in zip(nodes, keys):
+            n.metadata[KEY] = k
+        return list(nodes)
+
+
+class PromptCacheSynthesizer(BaseSynthesizer):
+    """Answers from the retrieved nodes' cached states (sync, streaming, async).
+
+    ``text_qa_template`` needs ``{context_str}`` (the documents) and ``{query_str}``; a
+    ``ChatPromptTemplate`` goes through ``llm.chat``, a ``PromptTemplate`` through
+    ``llm.complete`` as one user turn. The default puts the question after the documents, so
+    only the question is computed."""
+
+    def __init__(self, llm: PromptCacheLLM, text_qa_template: BasePromptTemplate | None = None,
+                 streaming: bool = False, **kwargs: Any):
+        if not isinstance(llm, PromptCacheLLM):
+            raise TypeError(f"PromptCacheSynthesizer needs a PromptCacheLLM, not {type(llm).__name__}: other LLMs "
+                            "cannot read cached states")
+        super().__init__(llm=llm, streaming=streaming, **kwargs)
+        self._qa = _check_template(text_qa_template or DEFAULT_QA_TEMPLATE)
+
+    def _get_prompts(self) -> dict:
+        return {"text_qa_template": self._qa}
+
+    def _update_prompts(self, prompts: dict) -> None:
+        unknown = set(prompts) - {"text_qa_template"}
+        if unknown:
+            raise ValueError(f"PromptCacheSynthesizer has only text_qa_template, not {', '.join(sorted(unknown))}")
+        if "text_qa_template" in prompts:
+            self._qa = _check_template(prompts["text_qa_template"])
+
+    def _responses(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
+        ctx = format_documents(text_chunks)
+        if isinstance(self._qa, ChatPromptTemplate):
+            return self._llm._chat_iter(self._qa.format_messages(context_str=ctx, query_str=query_str), kwargs)
+        return self._llm._complete_iter(self._qa.format(context_str=ctx, query_str=query_str), False, kwargs)
+
+    def synthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
+        r = super().synthesize(query, nodes, additional_source_nodes, **response_kwargs)
+        if not self._streaming and getattr(self, "last_stats", None):
+            r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}  # TTFT, cached/computed tokens
+        return r
+
+    async def asynthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
+        r = await super().asynthesize(query, nodes, additional_source_nodes, **response_kwargs)
+        if not self._streaming and getattr(self, "last_stats", None):
+            r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}
+        return r
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
+        it = self._responses(query_str, text_chunks, **kwargs)
+        if self._streaming:
+            return (r.delta for r in it if r.delta)
+        last = None
+        for last in it:
+            pass
+        self.last_stats = last.additional_kwargs
+        return last.message.content if isinstance(last, ChatResponse) else last.text
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
+        it = self._responses(query_str, text_chunks, **kwargs)
+        if self._streaming:
+            async def deltas():
+                async for r in _athread(it):
+                    if r.delta:
+                        yield r.delta
+
+            return deltas()
+        last = (await asyncio.to_thread(list, it))[-1]
+        self.last_stats = last.additional_kwargs
+        return last.message.content if isinstance(last, ChatResponse) else last.text
+
+
+def _check_template(t) -> BasePromptTemplate:
+    if isinstance(t, str):
+        t = PromptTemplate(t)
+    need = {"context_str", "query_str"} - set(t.template_vars)
+    if need:
+        raise ValueError(f"the question template lacks {', '.join(sorted(need))}: PromptCacheSynthesizer puts the "
+                         "documents in {context_str} and the question in {query_str}")
+    return t
+
+
+class PromptCacheChatEngine(CondensePlusContextChatEngine):
+    """``CondensePlusContextChatEngine`` that answers from cached document states: the system
+    message holds the context prompt with the documents as modules, then the chat history and
+    the new message are computed. Build it like the stock one::
+
+        PromptCacheChatEngine.from_defaults(retriever=index.as_retriever(), llm=PromptCacheLLM())
+    """
+
+    def _get_response_synthesizer(self, chat_history: list[ChatMessage], streaming: bool = False):
+        if not isinstance(self._llm, PromptCacheLLM):
+            raise TypeError(f"PromptCacheChatEngine needs a PromptCacheLLM, not {type(self._llm).__name__}")
+        msgs = [ChatMessage(role=MessageRole.SYSTEM,
+                            content=self._context_prompt_template.template + (self._system_prompt or "").strip()),
+                *chat_history, ChatMessage(role=MessageRole.USER, content="{query_str}")]
+        return PromptCacheSynthesizer(self._llm, text_qa_template=ChatPromptTemplate(msgs), streaming=streaming,
+                                      callback_manager=self.callback_manager)
+
+
+class PromptCacheRetriever(BaseRetriever):
+    """Retrieves chunks from an index made by ``pcache-rag ingest``. A node's text is the chunk
+    exactly as the model reads it, so the synthesizer hits the states encoded at ingest."""
+
+    def __init__(self, index_dir: str, similarity_top_k: int = 4, model: str = DEFAULT_MODEL, **kwargs: Any):
+        from pcache_rag.rag import check_index_dir
+
+        if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be a positive integer, not {similarity_top_k!r}")
+        check_index_dir(index_dir, create=False)  # a mistyped path is an error, not an empty index
         super().__init__(**kwargs)
-        self._rag = rag
-        self._k = k
+        self.index_dir, self.similarity_top_k, self.model = str(index_dir), similarity_top_k, model
+        self._rag = None
+
+    @property
+    def rag(self):
+        if self._rag is None:
+            from pcache_rag.rag import CachedRAG
+
+            pc = shared_engine(*_engine_key(self.model, self.index_dir, None))
+            self._rag = CachedRAG(self.index_dir, pc=pc, k=self.similarity_top_k, create=False)
+        return self._rag
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         out = []
-        for h in self._rag.retrieve(query_bundle.query_str, self._k):
+        for h in self.rag.retrieve(query_bundle.query_str, self.similarity_top_k):
             meta = dict(h.metadata)
-            meta.update({"module_id": h.id, "kv_key": h.kv_key, "source": h.source})
-            node = TextNode(id_=h.id, text=h.text, metadata=meta,
+            meta.update({"module_id": h.id, KEY: h.kv_key, "source": h.source})
+            node = TextNode(id_=h.id, text=self.rag.chunk_text(h), metadata=meta,
                             excluded_llm_metadata_keys=list(meta), excluded_embed_metadata_keys=list(meta))
             out.append(NodeWithScore(node=node, score=h.score))
         return out
 
-
-class ModuleSynthesizer(BaseSynthesizer):
-    """Passes the nodes' module handles (not their text) to :class:`PromptCacheLLM`."""
-
-    def __init__(self, llm: PromptCacheLLM, streaming: bool = False, **kwargs: Any):
-        super().__init__(llm=llm, streaming=streaming, **kwargs)
-
-    def _get_prompts(self) -> dict:
-        return {}
-
-    def _update_prompts(self, prompts: dict) -> None:
-        return None
-
-    def synthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
-        return super().synthesize(query, nodes, additional_source_nodes, handles=handles_from_nodes(nodes),
-                                  **response_kwargs)
-
-    async def asynthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
-        return await super().asynthesize(query, nodes, additional_source_nodes, handles=handles_from_nodes(nodes),
-                                         **response_kwargs)
-
-    def get_response(self, query_str: str, text_chunks: Sequence[str], handles=None, **kwargs: Any):
-        if self._streaming:
-            def deltas() -> Generator[str, None, None]:
-                for r in self._llm.stream_complete(query_str, handles=handles):
-                    yield r.delta or ""
-
-            return deltas()
-        return self._llm.complete(query_str, handles=handles).text
-
-    async def aget_response(self, query_str: str, text_chunks: Sequence[str], handles=None, **kwargs: Any):
-        if self._streaming:
-            async def adeltas() -> AsyncGenerator[str, None]:
-                it = iter(self._llm.stream_complete(query_str, handles=handles))
-                while True:
-                    r = await asyncio.to_thread(next, it, None)
-                    if r is None:
-                        return
-                    yield r.delta or ""
-
-            return adeltas()
-        r = await asyncio.to_thread(self._llm.complete, query_str, handles=handles)
-        return r.text
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
 
 
-def build_query_engine(rag: CachedRAG, k: int | None = None, streaming: bool = False,
-                       max_new_tokens: int = 128) -> RetrieverQueryEngine:
-    """A stock ``RetrieverQueryEngine`` that answers through the cache."""
-    llm = PromptCacheLLM(rag, max_new_tokens=max_new_tokens)
-    return RetrieverQueryEngine(retriever=ModuleRetriever(rag, k=k),
-                                response_synthesizer=ModuleSynthesizer(llm=llm, streaming=streaming))
+def build_query_engine(index_dir: str, similarity_top_k: int = 4, streaming: bool = False,
+                       max_new_tokens: int = 128, **llm_kwargs: Any) -> RetrieverQueryEngine:
+    """A stock ``RetrieverQueryEngine`` over a pcache-rag index that answers through the cache."""
+    llm = PromptCacheLLM(index_dir=index_dir, max_new_tokens=max_new_tokens, **llm_kwargs)
+    return RetrieverQueryEngine(retriever=PromptCacheRetriever(index_dir, similarity_top_k=similarity_top_k),
+                                response_synthesizer=PromptCacheSynthesizer(llm, streaming=streaming))
+
+
+class PromptCacheFileReader(BaseReader):
+    """Reads PDF (one ``Document`` per page, with ``page_label``), HTML and DOCX files with the
+    same parsers as ``pcache-rag ingest``. Use it in ``SimpleDirectoryReader(...,
+    file_extractor=file_extractor())``. An unreadable file raises with the reason (LlamaIndex
+    then names it, or skips it with ``raise_on_error=False``)."""
+
+    def load_data(self, file: Path, extra_info: dict | None = None, fs=None) -> list[Document]:
+        from pcache_rag.rag.chunking import SkipFile, read_document
+
+        try:
+            doc = read_document(Path(file))
+        except SkipFile as e:
+            raise ValueError(f"{file}: {e}") from None
+        meta = dict(extra_info or {})
+        if doc.pages:
+            return [Document(text=t, metadata={**meta, "page_label": str(i + 1)})
+                    for i, t in enumerate(doc.pages) if t.strip()]
+        return [Document(text=doc.text, metadata=meta)]
+
+
+def file_extractor() -> dict[str, BaseReader]:
+    """``file_extractor`` for ``SimpleDirectoryReader``: PDF, HTML and DOCX through pcache-rag's parsers."""
+    from pcache_rag.rag.chunking import DOC_SUFFIXES
+
+    r = PromptCacheFileReader()
+    return {s: r for s in DOC_SUFFIXES}
+
+
+class MiniLMEmbedding(BaseEmbedding):
+    """The packaged all-MiniLM-L6-v2 (384-dim) as a LlamaIndex embedding model: offline, no hub."""
+
+    model_name: str = "all-MiniLM-L6-v2"
+    _e: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "MiniLMEmbedding"
+
+    def _vecs(self, texts: list[str]) -> list[list[float]]:
+        if self._e is None:
+            from pcache_rag.rag import MiniLMEmbedder
+
+            self._e = MiniLMEmbedder()
+        return [list(map(float, v)) for v in self._e.embed(texts)]
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._vecs([query])[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._vecs([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._vecs(texts)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return await asyncio.to_thread(self._get_query_embedding, query)

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+#: formats read through well-kept parsers: pypdf, beautifulsoup4, python-docx
+DOC_SUFFIXES = (".pdf", ".html", ".htm", ".xhtml", ".docx")
+SUPPORTED = TEXT_SUFFIXES + DOC_SUFFIXES
 
 
 class SkipFile(Exception):
@@ -41,6 +44,7 @@ class Document:
     text: str
     encoding: str  # "utf-8", or the detected one
     note: str = ""  # what a user should know about how it was read (a detected encoding)
+    pages: tuple[str, ...] = ()  # a PDF's text per page (``text`` is them joined by blank lines)
 
 
 def _looks_binary(data: bytes) -> bool:
@@ -81,13 +85,92 @@ _WESTERN = ("cp1252", "latin_1", "iso8859_15")
 
 def read_document(path: Path) -> Document:
     """The text of a supported file; :class:`SkipFile` says why a file cannot be read."""
-    if path.suffix.lower() not in TEXT_SUFFIXES:
-        raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(TEXT_SUFFIXES)})")
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED:
+        raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(SUPPORTED)})")
     try:
         data = path.read_bytes()
     except OSError as e:
         raise SkipFile(f"cannot be read: {e.strerror or e}") from None
+    if suffix == ".pdf":
+        return read_pdf(data)
+    if suffix == ".docx":
+        return read_docx(data)
+    if suffix in (".html", ".htm", ".xhtml"):
+        return read_html(decode_text(data, str(path)))
     return decode_text(data, str(path))
+
+
+def read_pdf(data: bytes) -> Document:
+    """A PDF's text layer, page by page (pypdf). Scanned pages without text are reported."""
+    import io
+
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted:
+            try:
+                reader.decrypt("")
+            except Exception:  # noqa: BLE001 - pypdf raises several kinds here
+                raise SkipFile("encrypted PDF (needs a password)") from None
+        pages = tuple(_tidy(p.extract_text() or "") for p in reader.pages)
+    except SkipFile:
+        raise
+    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+        raise SkipFile(f"damaged or unreadable PDF: {e}") from None
+    empty = sum(1 for p in pages if not p.strip())
+    if pages and empty == len(pages):
+        raise SkipFile("the PDF has no text layer (scanned images need OCR, which pcache-rag does not do)")
+    note = f"{empty} of {len(pages)} PDF pages have no text (scanned?)" if empty else ""
+    return Document("\n\n".join(p for p in pages if p.strip()), "pdf", note, pages)
+
+
+def read_html(doc: Document) -> Document:
+    """The visible text of an HTML page (beautifulsoup4): scripts, styles and markup dropped,
+    block elements on their own lines."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(doc.text, "html.parser")
+    for tag in soup(["script", "style", "noscript", "template", "head"]):
+        tag.decompose()
+    title = soup.title.get_text(strip=True) if soup.title else ""
+    text = _tidy(soup.get_text("\n"))
+    if title and not text.startswith(title):
+        text = f"{title}\n\n{text}"
+    return Document(text, doc.encoding, doc.note)
+
+
+def read_docx(data: bytes) -> Document:
+    """A Word document's paragraphs and table cells, in order (python-docx)."""
+    import io
+    import zipfile
+
+    try:
+        import docx
+        from docx.oxml.ns import qn
+
+        d = docx.Document(io.BytesIO(data))
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise SkipFile(f"damaged or not a .docx file: {e}") from None
+    except Exception as e:  # noqa: BLE001 - python-docx raises its own kinds for bad packages
+        raise SkipFile(f"unreadable .docx: {e}") from None
+    out = []
+    for block in d.element.body.iterchildren():
+        if block.tag == qn("w:p"):
+            out.append("".join(t.text or "" for t in block.iter(qn("w:t"))))
+        elif block.tag == qn("w:tbl"):
+            for row in block.iter(qn("w:tr")):
+                cells = ["".join(t.text or "" for t in c.iter(qn("w:t"))) for c in row.iter(qn("w:tc"))]
+                out.append(" | ".join(cells))
+    return Document(_tidy("\n".join(out)), "docx")
+
+
+def _tidy(text: str) -> str:
+    """Trim lines and keep at most one blank line between paragraphs."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
 def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
@@ -102,18 +185,18 @@ def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
         if p.is_dir():
             for root, _dirs, files in os.walk(p, followlinks=False):
                 for name in sorted(files):
-                    _consider(Path(root) / name, out, skipped, explicit=False)
+                    _consider(Path(root) / name, out, skipped)
         else:
-            _consider(p, out, skipped, explicit=True)
+            _consider(p, out, skipped)
     return sorted(out), skipped
 
 
-def _consider(f: Path, out: set[Path], skipped: list, explicit: bool) -> None:
+def _consider(f: Path, out: set[Path], skipped: list) -> None:
     # The type is judged by the name as found (a link "notes.md" to a file without an
     # extension is a markdown file); the link's target is what gets read.
-    if f.suffix.lower() not in TEXT_SUFFIXES:
-        if explicit:
-            skipped.append((f, f"unsupported file type {f.suffix or '(none)'!r}"))
+    if f.suffix.lower() not in SUPPORTED:
+        # named in the report whether given by name or found in a folder: never skipped in silence
+        skipped.append((f, f"unsupported file type {f.suffix or '(none)'!r}"))
         return
     try:
         target = f.resolve(strict=True)

@@ -38,22 +38,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..assembly import DEFAULT_SYSTEM, Assembler, preamble_ids
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..recompute import Recompute
-from ..store import unit_key
 from ..fsutil import quarantine
 from .chunking import SkipFile, read_document, scan, split_tokens
 from .embed import MiniLMEmbedder
 from .index import ChromaIndex, IndexDamagedError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SYSTEM = (
-    "You are a helpful assistant. Answer the question using only the documents provided. "
-    "If they do not contain the answer, say you do not know."
-)
-
 
 @dataclass(slots=True)
 class ModuleHandle:
@@ -168,9 +162,10 @@ class CachedRAG:
         self._index: ChromaIndex | None = None
         self._index_error: Exception | None = None
         self._open_index()
-        self.preamble_ids = preamble_ids(self.pc, system_prompt)
-        P = len(self.preamble_ids)
-        self.preamble_key = unit_key(self.pc.fingerprint, self.preamble_ids, range(P), None, "rag-preamble")
+        #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
+        self.asm = Assembler(self.pc, system_prompt)
+        self.preamble_ids = self.asm.base_ids
+        self.preamble_key = self.asm.base_key
         self.check_fits(self.k)
 
     # ------------------------------------------------------------------ the index directory
@@ -236,23 +231,25 @@ class CachedRAG:
         return len(self.preamble_ids)
 
     def preamble(self) -> ModuleKV:
-        return self.pc.stored_states(self.preamble_key, self.preamble_ids, list(range(len(self.preamble_ids))))
+        return self.asm.base()
+
+    @staticmethod
+    def chunk_text(handle_or_text, source: str | None = None) -> str:
+        """A chunk as the model reads it: a ``[file name]`` header line, then its text. Framework
+        retrievers return this text, so marked documents hit the states encoded at ingest."""
+        if isinstance(handle_or_text, ModuleHandle):
+            handle_or_text, source = handle_or_text.text, handle_or_text.source
+        return f"[{Path(source or '').name}]\n{handle_or_text}"
 
     def chunk_ids(self, text: str, source: str) -> list[int]:
-        header = f"[{Path(source).name}]\n"
-        return self.pc.safe.text(header + text + "\n\n")  # file names and documents are text, never markup
+        # file names and documents are text, never markup; the same ids as a marked document
+        return self.asm.doc_ids(self.chunk_text(text, source))
 
     def _key(self, ids: list[int], start: int) -> str:
-        ctx = self.preamble_key if self.pc.encoding == "preamble" else None
-        return unit_key(self.pc.fingerprint, ids, range(start, start + len(ids)), ctx, "rag-chunk")
+        return self.asm.key(ids, start)
 
     def _encode(self, ids: list[int], start: int, key: str) -> ModuleKV:
-        ctx_kv = None
-        if self.pc.encoding == "preamble":
-            ctx_kv = self.pc.context_states(self.preamble_key, self.preamble_ids, list(range(len(self.preamble_ids))))
-        kv = self.pc.encode(ids, list(range(start, start + len(ids))), context=ctx_kv).to(dtype=self.pc.store_dtype)
-        self.pc.store.put(key, kv)
-        return kv
+        return self.asm.encode_ids(ids, key, start)
 
     # ------------------------------------------------------------------ ingest
 
@@ -556,12 +553,7 @@ class CachedRAG:
             if kv is None:  # evicted or damaged: re-encode from the stored text
                 kv = self._encode(self.chunk_ids(h.text, h.source), self.canonical_start, h.kv_key)
             if pos != self.canonical_start:
-                try:
-                    kv = self.pc.place(kv, pos)
-                except ValueError:  # learned positions: a per-slot encoding, cached
-                    ids = kv.token_ids.tolist()
-                    key = self._key(ids, pos)
-                    kv = self.pc.store.get(key) or self._encode(ids, pos, key)
+                kv, _ = self.asm.place(kv, pos)
             parts.append((h.id, kv))
             pos += kv.length
         return parts
@@ -610,18 +602,6 @@ class CachedRAG:
 
     def close(self) -> None:
         self.pc.store.close()
-
-
-def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
-    """The RAG preamble: BOS, the system turn, and the opening of the user turn. The system
-    prompt is text like any other: only the chat template's markup is markup."""
-    from ..pml import bos_ids
-
-    chat = pc.chat
-    return bos_ids(pc.tokenizer) + pc.safe.segments([
-        (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
-        (chat.prefix["user"], True), ("Documents:\n\n", False),
-    ])
 
 
 def question_ids(pc: PromptCache, question: str) -> list[int]:

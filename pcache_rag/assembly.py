@@ -1,0 +1,438 @@
+"""Prompts made of text and documents: the cache inside other frameworks' pipelines.
+
+LlamaIndex and LangChain render a RAG prompt as one string (or a list of chat
+messages) with the retrieved documents pasted into it. To reuse cached states
+the engine must know where each document starts and ends. pcache-rag marks
+them: :func:`mark_document` wraps a document's text in two private-use
+characters (U+E000 ... U+E001) that survive every prompt template unchanged,
+and :class:`Assembler` splits a rendered prompt at those marks:
+
+* the text before the first document (the chat template's opening, the system
+  prompt, the template's preface) is the **prefix**: its states are cached by
+  content, so a fixed system prompt is computed once;
+* each document is a **module** keyed by its text alone (content addressing;
+  whitespace around it is normalized to one blank line after it). It is encoded once, at the canonical
+  position after the encoding preamble, and re-placed wherever a prompt puts it.
+  A document nobody encoded before is encoded on first use and stored, so the
+  second time it is a hit. Text between documents (a header written by a
+  template) is handled the same way;
+* everything after the last document (the question, the chat history, the
+  generation prompt) is computed.
+
+Documents are encoded against one fixed preamble (``system_prompt``, the RAG
+default) whatever prefix a prompt later puts before them: changing a prompt's
+system message re-encodes only the prefix, never the corpus. The cost of that
+approximation is measured in the README ("Your own system prompt").
+
+Marks are only structure: a document is tokenized as plain text
+(:mod:`pcache_rag.tokens`), and a stray or forged mark can at most make some
+text a module of its own text. A prompt without marks is answered by full
+prefill, with a :class:`PCacheFallbackWarning` that says so when it is long.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import ContextOverflowError, GenerationOutput, PromptCache, _gen_kwargs
+from .kv import ModuleKV
+from .pml import bos_ids
+from .store import unit_key
+
+log = logging.getLogger(__name__)
+
+DOC_OPEN = "\ue000"
+DOC_CLOSE = "\ue001"
+#: what :func:`format_documents` puts between documents (and what ingest encodes after each)
+DOC_SEPARATOR = "\n\n"
+ROLES = ("system", "user", "assistant")
+
+DEFAULT_SYSTEM = (
+    "You are a helpful assistant. Answer the question using only the documents provided. "
+    "If they do not contain the answer, say you do not know."
+)
+
+# A prompt longer than this with no document marks gets a warning (short chats do not).
+_WARN_TOKENS = 256
+
+
+class PCacheFallbackWarning(UserWarning):
+    """A prompt was answered by full prefill because it carries no cached documents."""
+
+
+def unmark(text: str) -> str:
+    """``text`` without document marks."""
+    return text.replace(DOC_OPEN, "").replace(DOC_CLOSE, "")
+
+
+def mark_document(text: str) -> str:
+    """Wrap one document's text so that :class:`Assembler` reads it as a cached module."""
+    return DOC_OPEN + unmark(text) + DOC_CLOSE
+
+
+def format_documents(texts: Iterable[str], separator: str = DOC_SEPARATOR) -> str:
+    """Marked documents joined by ``separator``: the ``{context}`` of a RAG prompt."""
+    return separator.join(mark_document(t) for t in texts)
+
+
+def split_marked(text: str) -> list[tuple[str, bool]]:
+    """``text`` as ``(piece, is_document)`` pieces. Marks that do not pair up are dropped
+    (their text stays plain text)."""
+    out: list[tuple[str, bool]] = []
+    rest = text
+    while rest:
+        i = rest.find(DOC_OPEN)
+        j = rest.find(DOC_CLOSE, i + 1) if i >= 0 else -1
+        if i < 0 or j < 0:
+            out.append((unmark(rest), False))
+            break
+        if i:
+            out.append((unmark(rest[:i]), False))
+        doc = rest[i + 1 : j]
+        if DOC_OPEN in doc:  # an unpaired opening: the text up to the last one is plain
+            k = doc.rfind(DOC_OPEN)
+            out.append((unmark(doc[:k]), False))
+            doc = doc[k + 1 :]
+        out.append((doc, True))
+        rest = rest[j + 1 :]
+    return [(t, d) for t, d in out if t]
+
+
+@dataclass(slots=True)
+class Segment:
+    """A piece of a prompt: chat ``markup`` (may hold control tokens), ``text``, or a ``document``."""
+
+    text: str
+    kind: str  # "markup" | "text" | "document" | "cut" (end of a cacheable prefix without documents)
+
+
+@dataclass(slots=True)
+class CachedOutput:
+    """A finished answer and what the prompt cost."""
+
+    output: GenerationOutput
+    prompt_tokens: int  # every token of the prompt
+    cache_read: int  # tokens whose stored states were used as they were
+    computed: int  # prompt tokens computed by this call (new, encoded now, recomputed)
+    encoded: int  # prefix/document tokens encoded by this call (and stored for next time)
+    documents: int  # documents in the prompt
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    def stats(self) -> dict:
+        o = self.output
+        return {"ttft_s": o.ttft_s, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cache_read,
+                "computed_tokens": self.computed, "encoded_tokens": self.encoded,
+                "recomputed_tokens": o.recomputed_tokens, "documents": self.documents,
+                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason}
+
+
+@dataclass(slots=True)
+class _Plan:
+    parts: list[tuple[str, ModuleKV]]
+    new_ids: list[int]
+    prompt_tokens: int
+    encoded: int
+    documents: int
+
+
+class Assembler:
+    """Content-addressed document states on one :class:`PromptCache`, and prompts built from
+    chat messages or plain text with marked documents (see the module docstring).
+
+    ``system_prompt`` is the preamble documents are encoded against (``encoding="preamble"``);
+    :class:`pcache_rag.rag.CachedRAG` uses the same one, so both share states.
+    """
+
+    def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM):
+        self.pc = pc
+        self.system_prompt = system_prompt
+        self.base_ids = preamble_ids(pc, system_prompt)
+        self.base_key = unit_key(pc.fingerprint, self.base_ids, range(len(self.base_ids)), None, "rag-preamble")
+
+    # ------------------------------------------------------------------ states
+
+    @property
+    def start(self) -> int:
+        """The canonical position of a document's first token (right after the preamble)."""
+        return len(self.base_ids)
+
+    def base(self) -> ModuleKV:
+        """The encoding preamble's states (encoded and stored on first use)."""
+        return self.pc.stored_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+
+    def doc_ids(self, text: str) -> list[int]:
+        """A document's token ids: its text without surrounding whitespace, then one blank line
+        (:data:`DOC_SEPARATOR`), as plain text. Prompts are normalized the same way, so a
+        document's key never depends on the whitespace a template puts after it."""
+        return self.pc.safe.text(unmark(text).strip() + DOC_SEPARATOR)
+
+    def key(self, ids: Sequence[int], start: int | None = None) -> str:
+        """The store key of ``ids`` encoded at ``start`` (default: the canonical position)."""
+        s = self.start if start is None else start
+        ctx = self.base_key if self.pc.encoding == "preamble" else None
+        return unit_key(self.pc.fingerprint, list(ids), range(s, s + len(ids)), ctx, "rag-chunk")
+
+    def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None) -> ModuleKV:
+        """Encode ``ids`` at ``start`` (attending to the preamble in ``encoding="preamble"``) and store them."""
+        s = self.start if start is None else start
+        key = key or self.key(ids, s)
+        ctx = None
+        if self.pc.encoding == "preamble":
+            ctx = self.pc.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+        kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.pc.store_dtype)
+        self.pc.store.put(key, kv)
+        return kv
+
+    def states(self, ids: Sequence[int], key: str | None = None) -> tuple[ModuleKV, bool]:
+        """``(states at the canonical position, whether they were encoded now)``."""
+        key = key or self.key(ids)
+        kv = self.pc.store.get(key)
+        if kv is not None:
+            return kv, False
+        return self.encode_ids(ids, key), True
+
+    def ensure(self, texts: Sequence[str], progress: bool = False) -> list[str]:
+        """Encode (and store) every text not already stored; return their keys, in order.
+        This is what the frameworks' ingestion components call."""
+        keys = []
+        it: Iterable[str] = texts
+        if progress and len(texts) > 1:
+            from tqdm.auto import tqdm
+
+            it = tqdm(texts, desc="encoding states", unit="chunk")
+        for t in it:
+            ids = self.doc_ids(t)
+            k = self.key(ids)
+            if not self.pc.store.contains(k):
+                self.encode_ids(ids, k)
+            keys.append(k)
+        return keys
+
+    def place(self, kv: ModuleKV, pos: int) -> tuple[ModuleKV, bool]:
+        """``kv`` moved to start at ``pos``: re-rotated (RoPE), as is (ALiBi), or - for learned
+        positions, which cannot move - encoded at that slot and cached. Returns whether it
+        was encoded now."""
+        try:
+            return self.pc.place(kv, pos), False
+        except ValueError:
+            ids = kv.token_ids.tolist()
+            key = self.key(ids, pos)
+            got = self.pc.store.get(key)
+            if got is not None:
+                return got, False
+            return self.encode_ids(ids, key, pos), True
+
+    # ------------------------------------------------------------------ prompts
+
+    def message_segments(self, messages: Sequence[tuple[str, str]]) -> list[Segment]:
+        """Chat messages ``(role, content)`` through the model's own chat template, ending with
+        the generation prompt. Contents are text (marked documents become documents); only the
+        template's markup may produce control tokens."""
+        chat = self.pc.chat
+        segs: list[Segment] = []
+        for i, (role, content) in enumerate(messages):
+            if role not in ROLES:
+                raise ValueError(f"unsupported message role {role!r}: pcache-rag renders {', '.join(ROLES)}")
+            segs.append(Segment(chat.prefix[role], "markup"))
+            segs.extend(Segment(t, "document" if d else "text") for t, d in split_marked(content))
+            segs.append(Segment(chat.suffix[role], "markup"))
+            if i == 0 and role == "system":
+                segs.append(Segment("", "cut"))
+        segs.append(Segment(chat.generation_prompt, "markup"))
+        return segs
+
+    def text_segments(self, prompt: str) -> list[Segment]:
+        """A raw text prompt (no chat template): text and marked documents."""
+        return [Segment(t, "document" if d else "text") for t, d in split_marked(prompt)]
+
+    def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
+        """Token ids and states for ``segments``: the prefix and the documents from the store
+        (encoded now if missing), the rest as new tokens."""
+        # 1. group: plain runs tokenized together, documents with the whitespace after them
+        groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", text)
+        segs = list(segments)
+        i = 0
+        while i < len(segs):
+            s = segs[i]
+            if s.kind == "document":
+                i += 1
+                if i < len(segs) and segs[i].kind == "text":  # the separator belongs to the document
+                    segs[i] = Segment(segs[i].text.lstrip(), "text")
+                groups.append(("document", [s.text]))
+                continue
+            if s.kind == "cut":
+                groups.append(("cut", []))
+            elif s.text:
+                if not groups or groups[-1][0] != "plain":
+                    groups.append(("plain", []))
+                groups[-1][1].append((s.text, s.kind == "markup"))
+            i += 1
+        n_docs = sum(1 for g in groups if g[0] == "document")
+        if n_docs:
+            groups = [g for g in groups if g[0] != "cut"]
+        # 2. ids per group; the prefix is everything before the first document (or the cut)
+        pieces: list[tuple[str, list[int]]] = []
+        for kind, body in groups:
+            if kind == "document":
+                pieces.append(("document", self.doc_ids(body[0])))
+            elif kind == "cut":
+                pieces.append(("cut", []))
+            else:
+                pieces.append(("plain", self.pc.safe.segments(body)))
+        bos = bos_ids(self.pc.tokenizer)
+        first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
+        prefix = bos + [t for _, ids in pieces[:first] for t in ids]
+        body = [p for p in pieces[first:] if p[0] != "cut"]
+        last = max((j for j, p in enumerate(body) if p[0] == "document"), default=-1)
+        tail = [t for _, ids in body[last + 1 :] for t in ids]
+        mid = [ids for _, ids in body[: last + 1] if ids]
+        if not tail:  # a prompt that ends with a document: its last piece is computed
+            if mid:
+                tail = mid.pop()
+            else:
+                tail, prefix = prefix, []
+        total = len(prefix) + sum(map(len, mid)) + len(tail)
+        if total + max_new_tokens > self.pc.max_positions:
+            raise ContextOverflowError(
+                f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
+                f"positions, but the model takes {self.pc.max_positions}: retrieve fewer or shorter documents"
+            )
+        if n_docs == 0 and total - len(prefix) > _WARN_TOKENS:
+            warnings.warn(
+                f"a {total}-token prompt carries no marked documents, so only its system prefix can come from "
+                "the cache: mark documents with pcache_rag.assembly.format_documents (LangChain: format_docs or "
+                "create_cached_documents_chain; LlamaIndex: PromptCacheSynthesizer)",
+                PCacheFallbackWarning, stacklevel=4,
+            )
+        if not mid and not prefix:  # nothing to reuse: one full prefill
+            return _Plan([], tail, total, 0, 0)
+        # 3. states
+        parts: list[tuple[str, ModuleKV]] = []
+        encoded = 0
+        if prefix == self.base_ids:
+            kv = self.pc.store.get(self.base_key)
+            if kv is None:
+                kv, encoded = self.base(), len(prefix)
+            parts.append(("prefix", kv))
+        elif prefix:
+            key = unit_key(self.pc.fingerprint, prefix, range(len(prefix)), None, "prefix")
+            kv = self.pc.store.get(key)
+            if kv is None:
+                kv = self.pc.encode(prefix, list(range(len(prefix)))).to(dtype=self.pc.store_dtype)
+                self.pc.store.put(key, kv)
+                encoded += len(prefix)
+            parts.append(("prefix", kv))
+        pos = len(prefix)
+        for j, ids in enumerate(mid):
+            kv, new = self.states(ids)
+            encoded += len(ids) if new else 0
+            if pos != self.start:
+                kv, new = self.place(kv, pos)
+                encoded += len(ids) if new else 0
+            parts.append((f"doc{j}", kv))
+            pos += len(ids)
+        return _Plan(parts, tail, total, encoded, n_docs)
+
+    def _run(self, segments, recompute, gen: dict):
+        t0 = time.perf_counter()
+        plan = self.plan(segments, int(gen.get("max_new_tokens", 64)))
+        prep = time.perf_counter() - t0
+        items = self.pc._generation(  # noqa: SLF001 - the engine's own generation loop
+            lambda r: self.pc._prefill_new(plan.parts, plan.new_ids, "prefix", r, self.pc._policy(recompute)),
+            **gen,
+        )
+        for item in items:
+            if isinstance(item, GenerationOutput):
+                item.ttft_s += prep  # encoding a missing document is part of this answer's wait
+                item.total_s += prep
+                cached = max(item.cached_tokens - plan.encoded, 0)
+                yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
+                                   plan.documents)
+            else:
+                yield item
+
+    def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
+        """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
+        ``gen``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``."""
+        out = None
+        for item in self._run(segments, recompute, _gen_kwargs(gen)):
+            if isinstance(item, CachedOutput):
+                out = item
+        assert out is not None
+        return out
+
+    def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+        """Text deltas as they are decoded, then the :class:`CachedOutput`."""
+        return self._run(segments, recompute, _gen_kwargs(gen))
+
+
+_ENGINES: dict[tuple[str, str], PromptCache] = {}
+_ASSEMBLERS: dict[tuple[int, str], Assembler] = {}
+_REG_LOCK = threading.Lock()
+
+
+def default_states_dir() -> Path:
+    """Where framework components keep document states by default (``$PCACHE_RAG_HOME/states``).
+    Keys carry the model's fingerprint, so several models share the folder safely."""
+    from .default_model import cache_home
+
+    return cache_home() / "states"
+
+
+def shared_engine(model: str | None = None, cache_dir: str | None = None) -> PromptCache:
+    """One :class:`PromptCache` per ``(model, cache_dir)`` in this process, loaded on first use.
+    Framework classes are built from this plain config (so they serialize), and every class
+    with the same config shares one engine and one store."""
+    key = _engine_key(model, cache_dir)
+    with _REG_LOCK:
+        pc = _ENGINES.get(key)
+        if pc is None:
+            pc = _ENGINES[key] = PromptCache.from_pretrained(None if key[0] == "default" else key[0],
+                                                             cache_dir=key[1])
+        return pc
+
+
+def register_engine(pc: PromptCache, model: str | None = None, cache_dir: str | None = None) -> None:
+    """Make ``pc`` the engine that :func:`shared_engine` returns for this config (an engine
+    built in code, e.g. with its own store, used by config-built framework classes)."""
+    with _REG_LOCK:
+        _ENGINES[_engine_key(model, cache_dir)] = pc
+
+
+def _engine_key(model, cache_dir) -> tuple[str, str]:
+    from .default_model import DEFAULT_NAME
+
+    name = "default" if model in (None, "", "default", DEFAULT_NAME) else str(Path(str(model)).expanduser())
+    return name, str(Path(cache_dir or default_states_dir()).expanduser())
+
+
+def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM) -> Assembler:
+    """The :class:`Assembler` of ``pc`` for documents encoded against ``system_prompt`` (memoized)."""
+    with _REG_LOCK:
+        a = _ASSEMBLERS.get((id(pc), system_prompt))
+        if a is None or a.pc is not pc:
+            a = _ASSEMBLERS[(id(pc), system_prompt)] = Assembler(pc, system_prompt)
+        return a
+
+
+def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
+    """The RAG preamble: BOS, the system turn, and the opening of the user turn. The system
+    prompt is text like any other: only the chat template's markup is markup."""
+    chat = pc.chat
+    return bos_ids(pc.tokenizer) + pc.safe.segments([
+        (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
+        (chat.prefix["user"], True), ("Documents:\n\n", False),
+    ])
+
+
+__all__ = ["Assembler", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
+           "split_marked", "unmark", "DOC_OPEN", "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids"]

@@ -1,0 +1,275 @@
+"""LangChain: the standard conformance suites (langchain-tests) against ChatPromptCache and
+PromptCacheRetriever, and the stock user flows hitting the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("langchain_tests")
+
+from langchain_core.documents import Document  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests  # noqa: E402
+from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+
+from pcache_langchain import ChatPromptCache, PromptCacheRetriever  # noqa: E402
+from pcache_rag.assembly import PCacheFallbackWarning, register_engine  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+# A fixed (never created) states folder: the engine registered for it is the session's model
+# with an in-memory store, so the suites' own constructors find it.
+STATES = "/nonexistent/pcache-langchain-tests"
+MODEL = "smollm2-135m-instruct"
+IDX = Path(tempfile.mkdtemp(prefix="pcache-lc-idx-"))
+
+FACTS = {
+    "france.md": "Paris is the capital of France. The Louvre is the largest art museum in Paris.",
+    "japan.md": "Tokyo is the capital of Japan. Sushi is a Japanese dish of rice with fish.",
+    "codes.md": "The access code for the north gate is 4417. The south gate code is 9023.",
+}
+
+
+@pytest.fixture(autouse=True)
+def _engine(smol):
+    register_engine(smol, MODEL, STATES)
+    register_engine(smol, MODEL, str(IDX / "kv"))
+
+
+@pytest.fixture(scope="module")
+def index(smol, tmp_path_factory):
+    from pcache_rag.rag import CachedRAG
+
+    src = tmp_path_factory.mktemp("docs")
+    for name, text in FACTS.items():
+        (src / name).write_text(text)
+    rag = CachedRAG(IDX, pc=smol, k=2, chunk_tokens=64)
+    rag.ingest([src], progress=False)
+    return IDX
+
+
+class TestChatUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return ChatPromptCache
+
+    @property
+    def chat_model_params(self):
+        return {"model": MODEL, "cache_dir": STATES}
+
+    @property
+    def supports_model_override(self):
+        return False  # one local model per instance
+
+    @pytest.mark.xfail(reason="load(allowed_objects='all') admits only classes in langchain-core's own partner "
+                              "mapping; ChatPromptCache round-trips with allowed_objects=[ChatPromptCache], "
+                              "see test_serialization_round_trip", strict=True)
+    def test_serdes(self, model, snapshot):
+        super().test_serdes(model, snapshot)
+
+
+class TestChatIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self):
+        return ChatPromptCache
+
+    @property
+    def chat_model_params(self):
+        return {"model": MODEL, "cache_dir": STATES, "max_tokens": 16}
+
+    @property
+    def standard_chat_model_params(self):
+        return {"temperature": 0, "max_tokens": 16, "stop": []}
+
+    @property
+    def supports_model_override(self):
+        return False
+
+    @property
+    def supported_usage_metadata_details(self):
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False):
+        from pcache_langchain import format_docs
+
+        llm = ChatPromptCache(**self.chat_model_params)
+        doc = Document(page_content="The lighthouse on Skerry Island was built in 1872 by the Stevensons.")
+        msgs = [("system", "Answer from the documents.\n\n" + format_docs([doc])), ("human", "When was it built?")]
+        llm.invoke(msgs)  # the first call encodes the document
+        if stream:
+            out = None
+            for c in llm.stream(msgs):
+                out = c if out is None else out + c
+            return out
+        return llm.invoke(msgs)
+
+
+class TestRetriever(RetrieversIntegrationTests):
+    @pytest.fixture
+    def retriever(self, index):
+        return PromptCacheRetriever(index_dir=str(index), k=3)
+
+    @property
+    def retriever_constructor(self):
+        return PromptCacheRetriever
+
+    @property
+    def retriever_constructor_params(self):
+        return {"index_dir": str(IDX), "k": 3}
+
+    @property
+    def retriever_query_example(self):
+        return "What is the capital of France?"
+
+    @pytest.fixture(autouse=True)
+    def _built(self, index):
+        return index
+
+
+def test_missing_index_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ingest"):
+        PromptCacheRetriever(index_dir=str(tmp_path / "typo"))
+
+
+def test_chat_params_refused_or_honoured(smol):
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=8)
+    with pytest.raises(TypeError, match="frequency_penalty"):
+        llm.invoke("hi", frequency_penalty=0.5)
+    with pytest.raises(ValueError, match="recompute"):
+        ChatPromptCache(model=MODEL, cache_dir=STATES, recompute="sometimes")
+    a = llm.invoke("Name a colour.", temperature=1.5, seed=3).content
+    b = llm.invoke("Name a colour.", temperature=1.5, seed=3).content
+    assert a == b  # a seed makes sampling repeatable
+    greedy = llm.invoke("Count: one, two, three,")
+    stopped = llm.invoke("Count: one, two, three,", stop=[","])
+    assert "," not in stopped.content and len(stopped.content) <= len(greedy.content)
+    assert greedy.response_metadata["ttft_s"] > 0 and greedy.usage_metadata["output_tokens"] >= 1
+    from langchain_core.messages import ToolMessage
+
+    with pytest.raises(NotImplementedError, match="tool"):
+        llm.invoke([ToolMessage(content="3", tool_call_id="x")])
+
+
+def test_chat_template_applied(smol):
+    """The chat model reads the same ids as the tokenizer's own chat template."""
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=4)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    ref = smol.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    out = llm.invoke([("system", "Be brief."), ("human", "Hi!")])
+    assert out.usage_metadata["input_tokens"] == len(ref)
+
+
+def _own_chroma(tmp_path, smol):
+    """The user's own langchain-chroma store over their own documents, encoded on the way in."""
+    lc_chroma = pytest.importorskip("langchain_chroma")
+    from pcache_langchain import PromptCacheDocumentEncoder
+    from pcache_rag.rag import MiniLMEmbedder
+
+    class MiniLM:  # a LangChain Embeddings over the packaged MiniLM
+        def __init__(self):
+            self.e = MiniLMEmbedder()
+
+        def embed_documents(self, texts):
+            return [list(map(float, v)) for v in self.e.embed(texts)]
+
+        def embed_query(self, text):
+            return self.embed_documents([text])[0]
+
+    docs = [Document(page_content=t, metadata={"source": n}) for n, t in FACTS.items()]
+    enc = PromptCacheDocumentEncoder(model=MODEL, cache_dir=STATES, progress=False)
+    encoded = enc.transform_documents(docs)
+    assert all("pcache_kv_key" in d.metadata for d in encoded)
+    vs = lc_chroma.Chroma(collection_name="mine", embedding_function=MiniLM(),
+                          persist_directory=str(tmp_path / "chroma"))
+    vs.add_documents(encoded)
+    return vs
+
+
+def test_create_retrieval_chain_on_users_chroma(tmp_path, smol):
+    classic = pytest.importorskip("langchain_classic.chains")
+    from langchain_core.prompts import ChatPromptTemplate
+
+    from pcache_langchain import create_cached_documents_chain
+
+    vs = _own_chroma(tmp_path, smol)
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=16)
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "Answer from the documents.\n\n{context}"), ("human", "{input}")])
+    chain = classic.create_retrieval_chain(vs.as_retriever(search_kwargs={"k": 2}),
+                                           create_cached_documents_chain(llm, prompt))
+    q = "What is the access code for the north gate?"
+    out = chain.invoke({"input": q})
+    assert "4417" in out["answer"] and len(out["context"]) == 2  # sources come back with the answer
+    tail = smol.safe.segments([(q, False), (smol.chat.suffix["user"], True), (smol.chat.generation_prompt, True)])
+    tail = smol.safe.segments([(smol.chat.suffix["system"], True), (smol.chat.prefix["user"], True)]) + tail
+
+    seen = []
+
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Usage(BaseCallbackHandler):
+        def on_llm_end(self, response, **kw):
+            seen.append(response.generations[0][0].message.usage_metadata)
+
+    out = chain.invoke({"input": q}, config={"callbacks": [Usage()]})
+    u = seen[-1]
+    assert u["input_token_details"]["cache_read"] > 0
+    assert u["input_tokens"] - u["input_token_details"]["cache_read"] == len(tail)  # only the question part
+
+    streamed = [c for c in chain.stream({"input": q}) if "answer" in c]
+    assert "".join(c["answer"] for c in streamed) == out["answer"] and len(streamed) >= 2
+    batch = chain.batch([{"input": q}, {"input": "What is the capital of Japan?"}])
+    assert "4417" in batch[0]["answer"] and "Tokyo" in batch[1]["answer"]
+    assert asyncio.run(chain.ainvoke({"input": q}))["answer"] == out["answer"]
+
+    async def events():
+        return [e async for e in chain.astream_events({"input": q}, version="v2")]
+
+    ev = asyncio.run(events())
+    ends = [e for e in ev if e["event"] == "on_chat_model_end"]
+    assert ends and ends[0]["data"]["output"].usage_metadata["input_token_details"]["cache_read"] > 0
+    assert ends[0]["data"]["output"].response_metadata["ttft_s"] > 0
+
+
+def test_tutorial_chain_with_format_docs(tmp_path, smol):
+    """The RAG tutorial's LCEL chain, with pcache's format_docs in place of its own."""
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    from pcache_langchain import format_docs
+
+    retriever = _own_chroma(tmp_path, smol).as_retriever(search_kwargs={"k": 2})
+    prompt = ChatPromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer briefly.")
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=12)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    msg = chain.invoke("What is the capital of Japan?")
+    assert "Tokyo" in msg.content and msg.usage_metadata["input_token_details"]["cache_read"] > 0
+    # the same chain with the tutorial's own format_docs pastes unmarked text: it still answers,
+    # from a full prefill, and says so once the prompt is long enough to matter
+    long_ctx = lambda d: "\n\n".join(x.page_content for x in d) * 12  # noqa: E731
+    plain = {"context": retriever | long_ctx, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+    with pytest.warns(PCacheFallbackWarning, match="no marked documents"):
+        assert plain.invoke("What is the capital of Japan?")
+
+
+def test_build_qa_chain_returns_sources(index, smol):
+    from pcache_langchain import build_qa_chain
+
+    chain = build_qa_chain(str(index), k=2, max_tokens=12)
+    out = chain.invoke({"input": "What is the south gate code?"})
+    assert "9023" in out["answer"] and out["context"] and "module_id" in out["context"][0].metadata
+    # the retriever's documents are the ingested chunks: their states were encoded at ingest
+    assert smol.last_output.cached_tokens > 0
+
+
+def test_serialization_round_trip():
+    from langchain_core.load import dumpd, load
+
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=7, recompute="epic:8")
+    back = load(dumpd(llm), valid_namespaces=["pcache_langchain"], allowed_objects=[ChatPromptCache])
+    assert isinstance(back, ChatPromptCache) and back.max_tokens == 7 and back.recompute == "epic:8"

@@ -1,0 +1,178 @@
+"""LlamaIndex: the stock pipeline (SimpleDirectoryReader -> IngestionPipeline -> VectorStoreIndex
+on ChromaVectorStore or SimpleVectorStore -> query engine and chat engine) hitting the cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pcache_rag.assembly import register_engine
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m-instruct"
+STATES = "/nonexistent/pcache-llamaindex-tests"
+
+
+@pytest.fixture(autouse=True)
+def _engine(smol):
+    register_engine(smol, MODEL, STATES)
+
+
+@pytest.fixture(scope="module")
+def docs_dir(tmp_path_factory):
+    """A folder of the formats people have: Markdown, PDF, HTML and Word."""
+    fpdf = pytest.importorskip("fpdf")
+    import docx
+
+    d = tmp_path_factory.mktemp("docs")
+    (d / "france.md").write_text("# France\n\nParis is the capital of France. The Louvre is in Paris.\n")
+    pdf = fpdf.FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=12)
+    pdf.multi_cell(0, 8, "Gate codes. The access code for the north gate is 4417.")
+    pdf.add_page()
+    pdf.multi_cell(0, 8, "The south gate code is 9023.")
+    pdf.output(str(d / "codes.pdf"))
+    (d / "japan.html").write_text("<html><head><title>Japan</title><script>var x=1;</script></head><body>"
+                                  "<p>Tokyo is the capital of Japan.</p><p>Sushi is rice with fish.</p></body></html>")
+    w = docx.Document()
+    w.add_paragraph("The ferry to the island leaves at 07:45 every morning.")
+    w.save(str(d / "ferry.docx"))
+    return d
+
+
+def _read(docs_dir):
+    from llama_index.core import SimpleDirectoryReader
+
+    from pcache_llamaindex import file_extractor
+
+    return SimpleDirectoryReader(str(docs_dir), file_extractor=file_extractor()).load_data()
+
+
+def test_readers_keep_source_metadata(docs_dir):
+    docs = _read(docs_dir)
+    by = {}
+    for d in docs:
+        by.setdefault(d.metadata["file_name"], []).append(d)
+    assert set(by) == {"france.md", "codes.pdf", "japan.html", "ferry.docx"}
+    assert [d.metadata["page_label"] for d in by["codes.pdf"]] == ["1", "2"]
+    assert "4417" in by["codes.pdf"][0].text and "9023" in by["codes.pdf"][1].text
+    assert "Tokyo" in by["japan.html"][0].text and "var x" not in by["japan.html"][0].text
+    assert "07:45" in by["ferry.docx"][0].text
+
+
+def _tail(smol, q):
+    from pcache_rag.rag.pipeline import question_ids
+
+    return len(question_ids(smol, q))
+
+
+@pytest.mark.parametrize("store", ["chroma", "simple"])
+def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from pcache_llamaindex import (MiniLMEmbedding, PromptCacheChatEngine, PromptCacheEncoder, PromptCacheLLM,
+                                   PromptCacheSynthesizer)
+
+    embed = MiniLMEmbedding()
+    encoder = PromptCacheEncoder(model=MODEL, cache_dir=STATES)
+    vector_store = None
+    if store == "chroma":
+        import chromadb
+        from llama_index.vector_stores.chroma import ChromaVectorStore
+
+        client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
+        vector_store = ChromaVectorStore(chroma_collection=client.get_or_create_collection("docs"))
+    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=0), encoder, embed],
+                                 vector_store=vector_store)
+    nodes = pipeline.run(documents=_read(docs_dir))
+    assert nodes and all("pcache_kv_key" in n.metadata for n in nodes)
+    if vector_store is not None:
+        index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
+    else:
+        index = VectorStoreIndex(nodes, embed_model=embed, storage_context=StorageContext.from_defaults())
+
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=16)
+    engine = index.as_query_engine(llm=llm, response_synthesizer=PromptCacheSynthesizer(llm), similarity_top_k=2)
+    q = "What is the access code for the north gate?"
+    r = engine.query(q)
+    assert "4417" in str(r) and r.source_nodes
+    assert r.source_nodes[0].node.metadata["file_name"] == "codes.pdf"
+    stats = r.metadata["pcache"]
+    assert stats["cached_tokens"] > 0 and stats["encoded_tokens"] == 0  # states made at ingest
+    assert stats["computed_tokens"] == _tail(smol, q)
+    assert stats["ttft_s"] > 0
+
+    a = asyncio.run(engine.aquery("What time does the ferry leave?"))
+    assert "07:45" in str(a) and a.metadata["pcache"]["computed_tokens"] == _tail(smol, "What time does the ferry leave?")
+
+    streaming = index.as_query_engine(llm=llm, response_synthesizer=PromptCacheSynthesizer(llm, streaming=True),
+                                      similarity_top_k=2)
+    s = streaming.query(q)
+    assert "4417" in "".join(s.response_gen) and smol.last_output.cached_tokens > 0
+
+    chat = PromptCacheChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=2), llm=llm)
+    first = chat.chat("What is the capital of Japan?")
+    assert "Tokyo" in str(first)
+    assert smol.last_output.cached_tokens > 0
+    chat.chat("And what is sushi?")
+    assert smol.last_output.cached_tokens > 0  # the history goes after the cached documents
+
+
+def test_llm_chat_template_params_and_async(smol):
+    from llama_index.core.llms import ChatMessage
+
+    from pcache_llamaindex import PromptCacheLLM
+
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6)
+    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi!")]
+    r = llm.chat(msgs)
+    ref = smol.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi!"}], add_generation_prompt=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert r.additional_kwargs["prompt_tokens"] == len(ref)
+    assert "".join(x.delta for x in llm.stream_chat(msgs)) == r.message.content
+    assert asyncio.run(llm.achat(msgs)).message.content == r.message.content
+
+    async def astream():
+        return "".join([x.delta async for x in await llm.astream_chat(msgs)])
+
+    assert asyncio.run(astream()) == r.message.content
+    assert llm.complete("Count: one, two,", stop=[","]).text.count(",") == 0
+    with pytest.raises(TypeError, match="frequency_penalty"):
+        llm.complete("hi", frequency_penalty=1.0)
+    back = PromptCacheLLM.from_dict(llm.to_dict())
+    assert back.max_new_tokens == 6 and back.cache_dir == STATES
+    assert PromptCacheLLM.from_json(llm.to_json()).model == MODEL
+
+
+def test_synthesizer_prompts_honoured_or_refused(smol):
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from pcache_llamaindex import PromptCacheLLM, PromptCacheSynthesizer
+
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=8)
+    syn = PromptCacheSynthesizer(llm)
+    with pytest.raises(ValueError, match="context_str"):
+        syn.update_prompts({"text_qa_template": PromptTemplate("Answer {query_str}")})
+    syn.update_prompts({"text_qa_template": PromptTemplate("Facts:\n{context_str}\nQuestion: {query_str}\nShort answer:")})
+    assert "Short answer" in syn.get_prompts()["text_qa_template"].get_template()
+    nodes = [NodeWithScore(node=TextNode(text="The secret colour is teal."), score=1.0)]
+    r = syn.synthesize("What is the secret colour?", nodes)
+    assert "teal" in str(r).lower() and r.metadata["pcache"]["documents"] == 1
+    with pytest.raises(TypeError, match="PromptCacheLLM"):
+        from llama_index.core.llms.mock import MockLLM
+
+        PromptCacheSynthesizer(MockLLM())
+
+
+def test_missing_index_is_an_error(tmp_path):
+    from pcache_llamaindex import PromptCacheRetriever
+
+    with pytest.raises(FileNotFoundError, match="ingest"):
+        PromptCacheRetriever(str(tmp_path / "typo"))
