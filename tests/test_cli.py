@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pcache_rag.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +51,48 @@ def test_docqa_demo_app_answers_piped_questions(tmp_path, smol_dir):
                        input="What is sushi?\n\n", capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "> What is sushi?" in p.stdout and "a.txt" in p.stdout and "time to first token" in p.stdout
+
+
+def test_ingest_pdf_html_docx_and_name_what_it_cannot_read(tmp_path, smol_dir, capsys):
+    """`pcache-rag ingest` reads the formats people have; anything else is named with its reason."""
+    fpdf = pytest.importorskip("fpdf")
+    import docx
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    pdf = fpdf.FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=12)
+    pdf.multi_cell(0, 8, "The access code for the north gate is 4417.")
+    pdf.output(str(docs / "gates.pdf"))
+    (docs / "page.html").write_text("<html><body><script>alert(1)</script><p>Tokyo is the capital of Japan.</p>"
+                                    "</body></html>")
+    w = docx.Document()
+    w.add_paragraph("The ferry leaves at 07:45.")
+    w.save(str(docs / "ferry.docx"))
+    (docs / "scan.pdf").write_bytes(_blank_pdf())
+    (docs / "broken.docx").write_bytes(b"PK\x03\x04 not really a zip")
+    (docs / "tool.py").write_text("print('code')\n")
+    idx = str(tmp_path / "idx")
+    rc = main(["ingest", str(docs), "--index", idx, "--model", str(smol_dir), "--chunk-tokens", "32"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "3 added" in out
+    assert "scan.pdf: the PDF has no text layer" in err
+    assert "broken.docx: damaged or not a .docx file" in err
+    assert "tool.py: unsupported file type '.py'" in err
+    assert main(["ask", "What is the access code for the north gate?", "--index", idx, "--model", str(smol_dir),
+                 "--k", "1", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "4417" in out and "gates.pdf" in out
+
+
+def _blank_pdf() -> bytes:
+    import io
+
+    from pypdf import PdfWriter
+
+    w = PdfWriter()
+    w.add_blank_page(width=200, height=200)
+    buf = io.BytesIO()
+    w.write(buf)
+    return buf.getvalue()

@@ -15,7 +15,7 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
-from pcache_langchain import ChatPromptCache, PromptCacheRetriever  # noqa: E402
+from langchain_pcache import ChatPromptCache, PromptCacheRetriever  # noqa: E402
 from pcache_rag.assembly import PCacheFallbackWarning, register_engine  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -93,7 +93,7 @@ class TestChatIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False):
-        from pcache_langchain import format_docs
+        from langchain_pcache import format_docs
 
         llm = ChatPromptCache(**self.chat_model_params)
         doc = Document(page_content="The lighthouse on Skerry Island was built in 1872 by the Stevensons.")
@@ -166,7 +166,7 @@ def test_chat_template_applied(smol):
 def _own_chroma(tmp_path, smol):
     """The user's own langchain-chroma store over their own documents, encoded on the way in."""
     lc_chroma = pytest.importorskip("langchain_chroma")
-    from pcache_langchain import PromptCacheDocumentEncoder
+    from langchain_pcache import PromptCacheDocumentEncoder
     from pcache_rag.rag import MiniLMEmbedder
 
     class MiniLM:  # a LangChain Embeddings over the packaged MiniLM
@@ -193,7 +193,7 @@ def test_create_retrieval_chain_on_users_chroma(tmp_path, smol):
     classic = pytest.importorskip("langchain_classic.chains")
     from langchain_core.prompts import ChatPromptTemplate
 
-    from pcache_langchain import create_cached_documents_chain
+    from langchain_pcache import create_cached_documents_chain
 
     vs = _own_chroma(tmp_path, smol)
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=16)
@@ -241,7 +241,7 @@ def test_tutorial_chain_with_format_docs(tmp_path, smol):
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
 
-    from pcache_langchain import format_docs
+    from langchain_pcache import format_docs
 
     retriever = _own_chroma(tmp_path, smol).as_retriever(search_kwargs={"k": 2})
     prompt = ChatPromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer briefly.")
@@ -258,7 +258,7 @@ def test_tutorial_chain_with_format_docs(tmp_path, smol):
 
 
 def test_build_qa_chain_returns_sources(index, smol):
-    from pcache_langchain import build_qa_chain
+    from langchain_pcache import build_qa_chain
 
     chain = build_qa_chain(str(index), k=2, max_tokens=12)
     out = chain.invoke({"input": "What is the south gate code?"})
@@ -271,5 +271,5 @@ def test_serialization_round_trip():
     from langchain_core.load import dumpd, load
 
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=7, recompute="epic:8")
-    back = load(dumpd(llm), valid_namespaces=["pcache_langchain"], allowed_objects=[ChatPromptCache])
+    back = load(dumpd(llm), valid_namespaces=["langchain_pcache"], allowed_objects=[ChatPromptCache])
     assert isinstance(back, ChatPromptCache) and back.max_tokens == 7 and back.recompute == "epic:8"

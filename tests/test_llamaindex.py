@@ -46,7 +46,7 @@ def docs_dir(tmp_path_factory):
 def _read(docs_dir):
     from llama_index.core import SimpleDirectoryReader
 
-    from pcache_llamaindex import file_extractor
+    from llama_index.llms.pcache import file_extractor
 
     return SimpleDirectoryReader(str(docs_dir), file_extractor=file_extractor()).load_data()
 
@@ -75,7 +75,7 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
     from llama_index.core.ingestion import IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
 
-    from pcache_llamaindex import (MiniLMEmbedding, PromptCacheChatEngine, PromptCacheEncoder, PromptCacheLLM,
+    from llama_index.llms.pcache import (MiniLMEmbedding, PromptCacheChatEngine, PromptCacheEncoder, PromptCacheLLM,
                                    PromptCacheSynthesizer)
 
     embed = MiniLMEmbedding()
@@ -126,7 +126,7 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
 def test_llm_chat_template_params_and_async(smol):
     from llama_index.core.llms import ChatMessage
 
-    from pcache_llamaindex import PromptCacheLLM
+    from llama_index.llms.pcache import PromptCacheLLM
 
     llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6)
     msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi!")]
@@ -154,7 +154,7 @@ def test_synthesizer_prompts_honoured_or_refused(smol):
     from llama_index.core.prompts import PromptTemplate
     from llama_index.core.schema import NodeWithScore, TextNode
 
-    from pcache_llamaindex import PromptCacheLLM, PromptCacheSynthesizer
+    from llama_index.llms.pcache import PromptCacheLLM, PromptCacheSynthesizer
 
     llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=8)
     syn = PromptCacheSynthesizer(llm)
@@ -172,7 +172,7 @@ def test_synthesizer_prompts_honoured_or_refused(smol):
 
 
 def test_missing_index_is_an_error(tmp_path):
-    from pcache_llamaindex import PromptCacheRetriever
+    from llama_index.llms.pcache import PromptCacheRetriever
 
     with pytest.raises(FileNotFoundError, match="ingest"):
         PromptCacheRetriever(str(tmp_path / "typo"))

@@ -119,7 +119,7 @@ def test_learned_positions_get_per_slot_encodings(smol_tok, tmp_path, corpus):
 def test_llamaindex_query_engine_over_an_index(rag):
     """build_query_engine(index_dir): the retriever's nodes are the chunks as encoded at ingest,
     so the answer reads every chunk from the store and computes only the question."""
-    from pcache_llamaindex import build_query_engine
+    from llama_index.llms.pcache import build_query_engine
     from pcache_rag.assembly import register_engine
 
     register_engine(rag.pc, None, str(rag.index_dir / "kv"))
@@ -145,7 +145,7 @@ def test_llamaindex_query_engine_over_an_index(rag):
 def test_langchain_text_llm_streams_with_callbacks(smol):
     from langchain_core.callbacks import BaseCallbackHandler
 
-    from pcache_langchain import PromptCacheTextLLM
+    from langchain_pcache import PromptCacheTextLLM
     from pcache_rag.assembly import format_documents, register_engine
 
     register_engine(smol, "smollm2-135m-instruct", "/nonexistent/pcache-text-llm")

@@ -77,7 +77,7 @@ class _EngineConfig:
 
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
-        return ["pcache_langchain"]
+        return ["langchain_pcache"]
 
     def _engine_key(self) -> tuple[str | None, str | None]:
         if self.index_dir:
