@@ -163,39 +163,35 @@ def test_chat_template_applied(smol):
     assert out.usage_metadata["input_tokens"] == len(ref)
 
 
-def _own_chroma(tmp_path, smol):
-    """The user's own langchain-chroma store over their own documents, encoded on the way in."""
-    lc_chroma = pytest.importorskip("langchain_chroma")
-    from langchain_pcache import PromptCacheDocumentEncoder
-    from pcache_rag.rag import MiniLMEmbedder
-
-    class MiniLM:  # a LangChain Embeddings over the packaged MiniLM
-        def __init__(self):
-            self.e = MiniLMEmbedder()
-
-        def embed_documents(self, texts):
-            return [list(map(float, v)) for v in self.e.embed(texts)]
-
-        def embed_query(self, text):
-            return self.embed_documents([text])[0]
+def _own_chroma(tmp_path, smol, kind: str = "chroma"):
+    """The user's own vector store (langchain-chroma, or langchain-core's InMemoryVectorStore)
+    over their own documents, encoded on the way in."""
+    from langchain_pcache import MiniLMEmbeddings, PromptCacheDocumentEncoder
 
     docs = [Document(page_content=t, metadata={"source": n}) for n, t in FACTS.items()]
     enc = PromptCacheDocumentEncoder(model=MODEL, cache_dir=STATES, progress=False)
     encoded = enc.transform_documents(docs)
     assert all("pcache_kv_key" in d.metadata for d in encoded)
-    vs = lc_chroma.Chroma(collection_name="mine", embedding_function=MiniLM(),
-                          persist_directory=str(tmp_path / "chroma"))
+    if kind == "memory":
+        from langchain_core.vectorstores import InMemoryVectorStore
+
+        vs = InMemoryVectorStore(embedding=MiniLMEmbeddings())
+    else:
+        lc_chroma = pytest.importorskip("langchain_chroma")
+        vs = lc_chroma.Chroma(collection_name="mine", embedding_function=MiniLMEmbeddings(),
+                              persist_directory=str(tmp_path / "chroma"))
     vs.add_documents(encoded)
     return vs
 
 
-def test_create_retrieval_chain_on_users_chroma(tmp_path, smol):
+@pytest.mark.parametrize("kind", ["chroma", "memory"])
+def test_create_retrieval_chain_on_users_store(tmp_path, smol, kind):
     classic = pytest.importorskip("langchain_classic.chains")
     from langchain_core.prompts import ChatPromptTemplate
 
     from langchain_pcache import create_cached_documents_chain
 
-    vs = _own_chroma(tmp_path, smol)
+    vs = _own_chroma(tmp_path, smol, kind)
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=16)
     prompt = ChatPromptTemplate.from_messages([
         ("system", "Answer from the documents.\n\n{context}"), ("human", "{input}")])

@@ -110,6 +110,13 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
     a = asyncio.run(engine.aquery("What time does the ferry leave?"))
     assert "07:45" in str(a) and a.metadata["pcache"]["computed_tokens"] == _tail(smol, "What time does the ferry leave?")
 
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from_args = RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=2), llm=llm,
+                                               response_synthesizer=PromptCacheSynthesizer(llm))
+    r2 = from_args.query(q)
+    assert str(r2) == str(r) and r2.metadata["pcache"]["computed_tokens"] == _tail(smol, q)
+
     streaming = index.as_query_engine(llm=llm, response_synthesizer=PromptCacheSynthesizer(llm, streaming=True),
                                       similarity_top_k=2)
     s = streaming.query(q)

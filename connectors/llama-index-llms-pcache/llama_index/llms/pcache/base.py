@@ -107,9 +107,8 @@ class PromptCacheLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        # the context window needs the engine; before it is loaded, the embedded model's
-        window = self._assembler.pc.max_positions if self._assembler is not None else 8192
-        return LLMMetadata(context_window=window, num_output=self.max_new_tokens, model_name=self.model,
+        # the context window is the loaded model's (reading it loads the engine, once per config)
+        return LLMMetadata(context_window=self.assembler.pc.max_positions, num_output=self.max_new_tokens, model_name=self.model,
                            is_chat_model=True, system_role=MessageRole.SYSTEM)
 
     # ------------------------------------------------------------------ internals
