@@ -318,13 +318,9 @@ class Assembler:
         # 3. states
         parts: list[tuple[str, ModuleKV]] = []
         encoded = 0
-        if prefix == self.base_ids:
-            kv = self.pc.store.get(self.base_key)
-            if kv is None:
-                kv, encoded = self.base(), len(prefix)
-            parts.append(("prefix", kv))
-        elif prefix:
-            key = unit_key(self.pc.fingerprint, prefix, range(len(prefix)), None, "prefix")
+        if prefix:  # the RAG preamble itself, or another prefix: both cached by content
+            key = (self.base_key if prefix == self.base_ids
+                   else unit_key(self.pc.fingerprint, prefix, range(len(prefix)), None, "prefix"))
             kv = self.pc.store.get(key)
             if kv is None:
                 kv = self.pc.encode(prefix, list(range(len(prefix)))).to(dtype=self.pc.store_dtype)
@@ -373,6 +369,14 @@ class Assembler:
     def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
         """Text deltas as they are decoded, then the :class:`CachedOutput`."""
         return self._run(segments, recompute, _gen_kwargs(gen))
+
+
+def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+             stop=None) -> dict:
+    """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy."""
+    t = float(temperature)
+    return {"max_new_tokens": int(max_new_tokens), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
+            "top_p": float(top_p), "seed": seed, "stop": list(stop or [])}
 
 
 _ENGINES: dict[tuple[str, str], PromptCache] = {}
@@ -434,5 +438,5 @@ def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
     ])
 
 
-__all__ = ["Assembler", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
+__all__ = ["Assembler", "sampling", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
            "split_marked", "unmark", "DOC_OPEN", "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids"]

@@ -212,7 +212,7 @@ class _Synthetic:
 
     def __init__(self, model, tok):
         from .engine import PromptCache
-        from .rag.pipeline import preamble_ids
+        from .assembly import preamble_ids
 
         self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]

@@ -111,3 +111,15 @@ class WordTokenizer:
 
 def words(n: int, tag: str = "w") -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def write_pdf(path, pages: list[str]) -> None:
+    """A PDF with one text page per string (fpdf2; the calling test skips without it)."""
+    import fpdf
+
+    pdf = fpdf.FPDF()
+    pdf.set_font("Helvetica", size=12)
+    for text in pages:
+        pdf.add_page()
+        pdf.multi_cell(0, 8, text)
+    pdf.output(str(path))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_pdf
 from pcache_rag.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +56,12 @@ def test_docqa_demo_app_answers_piped_questions(tmp_path, smol_dir):
 
 def test_ingest_pdf_html_docx_and_name_what_it_cannot_read(tmp_path, smol_dir, capsys):
     """`pcache-rag ingest` reads the formats people have; anything else is named with its reason."""
-    fpdf = pytest.importorskip("fpdf")
+    pytest.importorskip("fpdf")
     import docx
 
     docs = tmp_path / "docs"
     docs.mkdir()
-    pdf = fpdf.FPDF()
-    pdf.add_page()
-    pdf.set_font("Helvetica", size=12)
-    pdf.multi_cell(0, 8, "The access code for the north gate is 4417.")
-    pdf.output(str(docs / "gates.pdf"))
+    write_pdf(docs / "gates.pdf", ["The access code for the north gate is 4417."])
     (docs / "page.html").write_text("<html><body><script>alert(1)</script><p>Tokyo is the capital of Japan.</p>"
                                     "</body></html>")
     w = docx.Document()

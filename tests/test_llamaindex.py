@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from helpers import write_pdf
 from pcache_rag.assembly import register_engine
 
 pytestmark = pytest.mark.real_model
@@ -23,18 +24,13 @@ def _engine(smol):
 @pytest.fixture(scope="module")
 def docs_dir(tmp_path_factory):
     """A folder of the formats people have: Markdown, PDF, HTML and Word."""
-    fpdf = pytest.importorskip("fpdf")
+    pytest.importorskip("fpdf")
     import docx
 
     d = tmp_path_factory.mktemp("docs")
     (d / "france.md").write_text("# France\n\nParis is the capital of France. The Louvre is in Paris.\n")
-    pdf = fpdf.FPDF()
-    pdf.add_page()
-    pdf.set_font("Helvetica", size=12)
-    pdf.multi_cell(0, 8, "Gate codes. The access code for the north gate is 4417.")
-    pdf.add_page()
-    pdf.multi_cell(0, 8, "The south gate code is 9023.")
-    pdf.output(str(d / "codes.pdf"))
+    write_pdf(d / "codes.pdf", ["Gate codes. The access code for the north gate is 4417.",
+                                "The south gate code is 9023."])
     (d / "japan.html").write_text("<html><head><title>Japan</title><script>var x=1;</script></head><body>"
                                   "<p>Tokyo is the capital of Japan.</p><p>Sushi is rice with fish.</p></body></html>")
     w = docx.Document()

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..assembly import DEFAULT_SYSTEM, Assembler, preamble_ids
+from ..assembly import DEFAULT_SYSTEM, Assembler
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..recompute import Recompute

@@ -40,7 +40,7 @@ from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
-                                 shared_engine)
+                                 sampling, shared_engine)
 from pcache_rag.recompute import Recompute
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -93,11 +93,10 @@ class _EngineConfig:
             raise TypeError(f"{name} does not support: {', '.join(sorted(unknown))}")
         if kwargs.get("model", self.model) != self.model:
             raise ValueError(f"this {name} serves {self.model!r}, not {kwargs['model']!r}")
-        t = float(kwargs.get("temperature", self.temperature))
-        return {"max_new_tokens": int(kwargs.get("max_tokens", self.max_tokens)), "do_sample": t > 0,
-                "temperature": t if t > 0 else 1.0, "top_p": float(kwargs.get("top_p", self.top_p)),
-                "seed": kwargs.get("seed", self.seed), "stop": list(stop if stop is not None else self.stop or []),
-                "recompute": kwargs.get("recompute", self.recompute)}
+        gen = sampling(kwargs.get("max_tokens", self.max_tokens), kwargs.get("temperature", self.temperature),
+                       kwargs.get("top_p", self.top_p), kwargs.get("seed", self.seed),
+                       stop if stop is not None else self.stop)
+        return {**gen, "recompute": kwargs.get("recompute", self.recompute)}
 
     def _asm(self) -> Assembler:
         if self._assembler is None:

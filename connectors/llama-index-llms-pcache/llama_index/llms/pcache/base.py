@@ -47,7 +47,7 @@ from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithS
 from pydantic import Field, PrivateAttr
 
 from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
-                                 shared_engine)
+                                 sampling, shared_engine)
 from pcache_rag.recompute import Recompute
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -119,12 +119,10 @@ class PromptCacheLLM(CustomLLM):
         unknown = set(kwargs) - {"temperature", "top_p", "seed", "stop", "max_new_tokens", "max_tokens", "recompute"}
         if unknown:
             raise TypeError(f"PromptCacheLLM does not support: {', '.join(sorted(unknown))}")
-        t = float(kwargs.get("temperature", self.temperature))
         n = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
-        return ({"max_new_tokens": int(n), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
-                 "top_p": float(kwargs.get("top_p", self.top_p)), "seed": kwargs.get("seed", self.seed),
-                 "stop": list(kwargs.get("stop", self.stop) or [])},
-                kwargs.get("recompute", self.recompute))
+        gen = sampling(n, kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
+                       kwargs.get("seed", self.seed), kwargs.get("stop", self.stop))
+        return gen, kwargs.get("recompute", self.recompute)
 
     def _segments(self, messages: Sequence[ChatMessage]):
         msgs = []
