@@ -28,7 +28,9 @@ def _my_docs(tmp_path, monkeypatch, smol):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-docs").mkdir()
     (tmp_path / "my-docs" / "gates.md").write_text(
-        "The access code for the north gate is 4417.\n\nThe south gate code is 9023.\n")
+        "The access code for the north gate is 4417.\n\nThe south gate is closed for repairs until May.\n")
+    # one code only: the reader puts each file's absolute (temporary) path into the prompt, and with two
+    # codes the 135M model's pick between them turned on those random characters (CI failed on it once)
     (tmp_path / "my-docs" / "ferry.md").write_text("The ferry to the island leaves at 07:45 every morning.\n")
 
 
