@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo serve test test-slow bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,10 +19,16 @@ $(VENV)/.installed: pyproject.toml Makefile connectors/langchain-pcache/pyprojec
 	$(BIN)/pip install -q -e ".[all]"
 	# The connectors are separate distributions, each installable on its own.
 	$(BIN)/pip install -q --no-deps -e connectors/langchain-pcache -e connectors/llama-index-llms-pcache
+	# Debian's chromium for the web app's browser test (skips, saying why, without it).
+	./scripts/install-chromium.sh
 	touch $@
 
 demo: setup
 	$(BIN)/pcache-rag demo
+
+# The web app and OpenAI-compatible API over the demo's index (run `make demo` first to fill it).
+serve: setup
+	$(BIN)/pcache-rag serve --index $${PCACHE_RAG_HOME:-$$HOME/.cache/pcache-rag}/demo-index
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider

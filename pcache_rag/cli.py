@@ -180,6 +180,37 @@ def cmd_ask(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .rag import check_index_dir
+    from .recompute import Recompute
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"pcache-rag serve needs the serve extra ({e.name} is missing): pip install 'pcache-rag[serve]'",
+              file=sys.stderr)
+        return 2
+    from .serve import serve
+
+    Recompute.parse(a.recompute)  # a bad policy is refused before the model loads
+    new = not Path(a.index).expanduser().exists()
+    check_index_dir(a.index, create=True)
+    rag = _rag(a, create=True)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {a.host}: anyone who can reach it can read the documents and add files "
+              f"(there is no authentication)", file=sys.stderr)
+    n = rag.index.count()
+    what = "a new, empty index: add documents on the page" if new or n == 0 else f"{n} chunks indexed"
+    print(f"pcache-rag: {what} ({shown(a.index)})\n  web app: http://{a.host}:{a.port}/\n"
+          f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config._name_or_path)).name!r})",
+          file=sys.stderr)
+    serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
+          max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info")
+    rag.close()
+    return 0
+
+
 def cmd_eval(a) -> int:
     from .evalq import DEFAULT_MODES, SETS, run_eval
 
@@ -270,6 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--recompute", default=None, metavar="POLICY",
                    help="recompute context tokens for quality: none, epic:K, blend:R, all (default: the engine's)")
     q.set_defaults(fn=cmd_ask)
+
+    v = sub.add_parser("serve", help="the document-QA web app and an OpenAI-compatible API over an index")
+    rag_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--k", type=_positive, default=4, help="chunks to retrieve per question")
+    v.add_argument("--max-new-tokens", type=_positive, default=128, help="default answer length")
+    v.add_argument("--queue", type=_positive, default=64, help="questions that may wait; more get 503")
+    v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
+    v.add_argument("--recompute", default=None, metavar="POLICY", help="recompute policy for answers")
+    v.add_argument("--quiet", action="store_true", help="log warnings only")
+    v.set_defaults(fn=cmd_serve)
 
     e = sub.add_parser("eval", help="evaluations: quality (cached vs full prefill, with recompute policies)")
     e.add_argument("what", choices=("quality",))

@@ -1,9 +1,13 @@
-"""Test helpers: tiny random models of every positional-encoding family, and an
-independent reference (one full forward with the mask docs/pml.md defines)."""
+"""Test helpers: tiny random models of every positional-encoding family, an independent
+reference (one full forward with the mask docs/pml.md defines), a PDF writer, and a real
+uvicorn server on a loopback port."""
 
 from __future__ import annotations
 
 import copy
+import socket
+import threading
+import time
 
 import torch
 import transformers as tf
@@ -123,3 +127,30 @@ def write_pdf(path, pages: list[str]) -> None:
         pdf.add_page()
         pdf.multi_cell(0, 8, text)
     pdf.output(str(path))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real uvicorn server on a loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        import uvicorn  # imported here: only the serve tests need it
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,7 +254,7 @@ class CachedRAG:
     # ------------------------------------------------------------------ ingest
 
     def ingest(self, paths, progress: bool = True, encode: str = "eager", prune: bool = False,
-               repair: bool = True) -> IngestReport:
+               repair: bool = True, on_progress: Callable[[str, int, int], None] | None = None) -> IngestReport:
         """Index files (or directories of them).
 
         New and changed files are read, chunked, embedded and (``encode="eager"``) encoded;
@@ -265,7 +265,9 @@ class CachedRAG:
         ``encode="lazy"`` indexes without states (encoded on first use). ``prune`` also removes
         every indexed source that no longer exists; ``repair`` fixes what :meth:`verify` finds
         (stale or duplicate chunks, missing states, store rows without files).
-        A lock on the index directory makes concurrent ingests take turns.
+        A lock on the index directory makes concurrent ingests take turns. ``on_progress(stage,
+        done, total)`` is called as the bars move (stage ``"read"`` in bytes, then ``"encode"``
+        in chunks), for a caller with no terminal such as the web app.
         """
         if encode not in ("eager", "lazy"):
             raise ValueError(f"encode must be 'eager' or 'lazy', not {encode!r}")
@@ -277,7 +279,8 @@ class CachedRAG:
         try:
             if self._index is None:
                 rep.rebuilt_from = self._rebuild_index()
-            self._ingest_locked(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode)
+            self._ingest_locked(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode,
+                                on_progress)
             if prune:
                 rep.pruned = self.prune()
             if repair:
@@ -297,18 +300,14 @@ class CachedRAG:
             log.info(msg)
 
     def _ingest_locked(self, files: list[Path], roots: list[Path], rep: IngestReport, progress: bool,
-                       encode: str) -> None:
+                       encode: str, on_progress=None) -> None:
         known = self.index.sources()  # source -> (shas, [ids], [kv keys])
         self.preamble()
         start = self.canonical_start
         # 1. read and chunk what changed (a bar over the bytes, moving during long files)
         work: list[tuple[str, str, list, list[list[int]]]] = []  # (source, sha, chunks, token ids)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            total = sum(_size(f) for f in files)
-            bar = tqdm(total=total, desc="read+chunk", unit="B", unit_scale=True)
+        bar = _Bar(progress, on_progress, "read", sum(_size(f) for f in files), desc="read+chunk", unit="B",
+                   unit_scale=True) if progress or on_progress else None
         for f in files:
             src = str(f)
             nbytes = _size(f)
@@ -368,11 +367,9 @@ class CachedRAG:
         # 3. encode, then commit each file to chroma (states first: chroma never names a
         #    chunk without states, so a killed ingest resumes without re-encoding)
         bar = None
-        if progress and work:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=sum(len(w[2]) for w in work), desc="encode+index" if encode == "eager" else "index",
-                       unit="chunk")
+        if (progress or on_progress) and work:
+            bar = _Bar(progress, on_progress, "encode", sum(len(w[2]) for w in work),
+                       desc="encode+index" if encode == "eager" else "index", unit="chunk")
         t_enc, n_enc = 0.0, 0
         for src, sha, chunks, ids_list in work:
             keys, metas, docs, cids = [], [], [], []
@@ -610,6 +607,31 @@ def question_ids(pc: PromptCache, question: str) -> list[int]:
     chat = pc.chat
     return pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
                              (chat.generation_prompt, True)])
+
+
+class _Bar:
+    """A tqdm bar (when ``progress``) that also reports to ``on_progress(stage, done, total)``."""
+
+    def __init__(self, progress: bool, on_progress, stage: str, total: int, **tqdm_args):
+        self.cb, self.stage, self.total, self.n = on_progress, stage, total, 0
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, **tqdm_args)
+        if self.cb:
+            self.cb(stage, 0, total)
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.cb:
+            self.cb(self.stage, min(self.n, self.total), self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # Room kept per chunk for its file-name header, and for the question and the answer.

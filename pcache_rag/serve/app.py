@@ -1,0 +1,219 @@
+"""The FastAPI app: the document-QA page, its JSON/SSE API under ``/api``, and the
+OpenAI-compatible API under ``/v1`` (see :mod:`.openai_api`).
+
+Every asset is served from the package's ``static/`` folder: no CDN, font or analytics,
+so the page works offline. Errors are JSON ``{"error": {"message", "type"}}`` with the
+status that fits (400 bad input, 409 conflict, 413 too large, 415 unsupported type,
+503 + ``Retry-After`` when the queue is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..rag.chunking import SUPPORTED
+from .service import AnswerService, Busy, Job, RequestError
+
+log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+_SAFE = re.compile(r"[^A-Za-z0-9._ -]+")
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None):
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+
+def safe_upload_name(name: str | None) -> str:
+    """A file name that stays inside the upload folder: the last path component only,
+    characters outside ``[A-Za-z0-9._ -]`` replaced, no leading dots; :class:`RequestError`
+    if nothing usable is left or the type is not supported."""
+    base = (name or "").replace("\\", "/").split("/")[-1]
+    clean = _SAFE.sub("_", base).strip(" .")[:120]
+    if not clean or not any(c.isalnum() for c in clean):
+        raise RequestError(f"unusable file name {name!r}")
+    if Path(clean).suffix.lower() not in SUPPORTED:
+        raise RequestError(f"{clean}: unsupported file type {Path(clean).suffix or '(none)'!r}; supported: "
+                           f"{', '.join(SUPPORTED)}", 415)
+    return clean
+
+
+async def body_json(request: Request) -> dict:
+    """The request body as a JSON object, or :class:`RequestError` saying what is wrong."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the body must be a JSON object")
+    return data
+
+
+async def first_event(job: Job, request: Request | None = None):
+    """The job's first event; an ``error`` first means nothing was streamed yet, so the
+    caller can still answer with an HTTP error status. A client that disconnects while its
+    question waits in the queue cancels it (checked each second)."""
+    while True:
+        try:
+            ev = await asyncio.wait_for(job.events.get(), 1.0)
+            break
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.cancel()
+                raise RequestError("the client disconnected", 499) from None
+    if ev is None:
+        raise RequestError("the question was dropped", 500)
+    if ev[0] == "error":
+        raise RequestError(ev[1]["message"], ev[1].get("status", 500), ev[1].get("retry_after"))
+    return ev
+
+
+async def events_of(job: Job):
+    """The job's remaining events until it ends; cancels the job if the consumer stops."""
+    try:
+        while True:
+            ev = await job.events.get()
+            if ev is None:
+                return
+            yield ev
+    finally:
+        job.cancel()  # a client that went away frees the engine at its next token
+
+
+def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
+    """The app around ``service``; it starts the service's worker on startup and stops it
+    on shutdown. ``max_upload_mb`` bounds each uploaded file."""
+    from .openai_api import router as openai_router
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await asyncio.to_thread(service.warm)
+        service.start()
+        yield
+        service.stop()
+
+    app = FastAPI(title="pcache-rag", summary="document QA from cached attention states", lifespan=lifespan)
+    app.state.service = service
+    max_bytes = int(max_upload_mb * 1024 * 1024)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_req, e: RequestError):
+        return error(e.status, str(e), retry_after=e.retry_after)
+
+    @app.exception_handler(Busy)
+    async def _busy(_req, e: Busy):
+        return error(503, str(e), "server_busy", retry_after=e.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        parts = [f"{'.'.join(str(x) for x in d.get('loc', ()) if x != 'body') or 'body'}: {d.get('msg')}"
+                 for d in e.errors()]
+        return error(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, e: StarletteHTTPException):
+        return error(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "invalid_request_error")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/healthz")
+    async def health():
+        return {"ok": True}
+
+    @app.get("/api/status")
+    async def status():
+        return await asyncio.to_thread(service.stats)
+
+    @app.get("/api/ingest")
+    async def ingest_status():
+        return service.stats()["ingest"]
+
+    @app.post("/api/documents", status_code=202)
+    async def upload(files: list[UploadFile]):
+        """Save the uploaded files under the upload folder and ingest them in the background."""
+        if not files:
+            raise RequestError("no file was uploaded")
+        names = [safe_upload_name(f.filename) for f in files]  # refuse the lot before writing any
+        service.upload_dir.mkdir(parents=True, exist_ok=True)
+        root = service.upload_dir.resolve()
+        saved = []
+        for f, name in zip(files, names):
+            dest = (root / name).resolve()
+            if dest.parent != root:  # cannot happen after safe_upload_name; checked anyway
+                raise RequestError(f"unusable file name {f.filename!r}")
+            tmp = dest.with_name(f".{dest.name}.part")
+            size = 0
+            try:
+                with tmp.open("wb") as out:
+                    while chunk := await f.read(1 << 20):
+                        size += len(chunk)
+                        if size > max_bytes:
+                            raise RequestError(f"{name} is larger than the {max_upload_mb:g} MB upload limit", 413)
+                        out.write(chunk)
+                if size == 0:
+                    raise RequestError(f"{name} is empty")
+                tmp.replace(dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            saved.append(dest)
+        service.ingest(saved, label=names)
+        return {"files": names, "ingest": "/api/ingest"}
+
+    @app.post("/api/sample", status_code=202)
+    async def sample():
+        """Ingest the sample corpus (standard-library documentation written on first use)."""
+        from ..default_model import cache_home
+        from ..demo import build_corpus
+
+        corpus = await asyncio.to_thread(build_corpus, cache_home() / "sample-corpus")
+        files = sorted(corpus.glob("*.txt"))
+        service.ingest([corpus], label=[f.name for f in files])
+        return {"files": [f.name for f in files], "ingest": "/api/ingest"}
+
+    @app.post("/api/ask")
+    async def ask(request: Request):
+        """``{"question", "k"?, "compare"?, "max_tokens"?}`` -> server-sent events ``start``
+        (sources), ``delta`` (answer text), ``done`` (statistics), ``full`` (compare), ``error``."""
+        data = await body_json(request)
+        unknown = set(data) - {"question", "k", "compare", "max_tokens"}
+        if unknown:
+            raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
+        gen = {}
+        if data.get("max_tokens") is not None:
+            m = data["max_tokens"]
+            if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1024:
+                raise RequestError("max_tokens must be a whole number from 1 to 1024")
+            gen["max_new_tokens"] = m
+        job = service.submit(data.get("question"), data.get("k"), bool(data.get("compare")), **gen)
+        try:
+            first = await first_event(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+
+        async def stream():
+            yield {"event": first[0], "data": json.dumps(first[1])}
+            async for kind, payload in events_of(job):
+                yield {"event": kind, "data": json.dumps(payload)}
+
+        return EventSourceResponse(stream(), ping=15)
+
+    app.include_router(openai_router)
+    return app

@@ -1,0 +1,321 @@
+"""The answering service behind the web app and the OpenAI-compatible API.
+
+One worker thread owns the engine's answers: requests wait in a bounded FIFO queue
+(fair by arrival), and a full queue is refused at once (:class:`Busy`, which the app
+turns into 503 + Retry-After) instead of piling up. The engine is serialized, so a
+queue in front of one worker is what it can do; decode steps of different requests are
+not batched. Ingestion runs in its own thread: questions asked meanwhile are answered
+from the chunks indexed so far, and say so.
+
+Events of a request reach the asyncio side through ``loop.call_soon_threadsafe``; a
+client that goes away sets ``cancelled`` and the worker closes the generation at its
+next token, which releases the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..engine import ContextOverflowError
+
+log = logging.getLogger(__name__)
+
+#: Longest question accepted, in characters (checked before tokenizing; the model's
+#: context is checked after).
+MAX_QUESTION_CHARS = 16_000
+
+
+class Busy(RuntimeError):
+    """The queue is full; ``retry_after`` is a guess in whole seconds."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"the server is busy: {waiting} questions are waiting; retry in about {retry_after} s")
+        self.retry_after = retry_after
+
+
+class RequestError(ValueError):
+    """A request the service cannot answer as asked; ``status`` is the HTTP status to send."""
+
+    def __init__(self, message: str, status: int = 400, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass
+class Job:
+    """One question. ``events`` receives ``(kind, data)``: ``start`` (sources), ``delta``
+    (text), ``done`` (statistics), ``full`` (the compare answer), ``error``; ``None`` ends it."""
+
+    question: str
+    k: int | None
+    gen: dict
+    compare: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def emit(self, kind: str | None, data=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, None if kind is None else (kind, data))
+        except RuntimeError:  # the loop is closed: the client is long gone
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class IngestState:
+    running: bool = False
+    stage: str = ""
+    done: int = 0
+    total: int = 0
+    files: list[str] = field(default_factory=list)
+    report: dict | None = None
+    error: str | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+
+
+class AnswerService:
+    """Questions through one worker and a bounded queue; ingestion beside it.
+
+    ``rag`` is a :class:`~pcache_rag.rag.CachedRAG`; ``max_queue`` bounds the waiting
+    questions (the running one not counted); ``max_new_tokens`` is the default answer
+    length; ``upload_dir`` is where uploaded files are kept (default ``<index>/uploads``).
+    """
+
+    def __init__(self, rag, max_queue: int = 64, max_new_tokens: int = 128, upload_dir: str | Path | None = None):
+        if max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        self.rag = rag
+        self.max_new_tokens = int(max_new_tokens)
+        self.upload_dir = Path(upload_dir) if upload_dir else Path(rag.index_dir) / "uploads"
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._worker: threading.Thread | None = None
+        self._ingest_thread: threading.Thread | None = None
+        self._ingest_lock = threading.Lock()
+        self.ingest_state = IngestState()
+        self.running: str | None = None  # id of the job being answered
+        self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0}
+        self._job_s: list[float] = []  # recent service times, for Retry-After
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="pcache-answer", daemon=True)
+            self._worker.start()
+
+    def warm(self) -> None:
+        """Load what the first question would otherwise wait for: the embedding model and
+        the system-prompt states."""
+        self.rag.embedder.embed(["warm up"])
+        self.rag.preamble()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            while True:  # make room for the sentinel: waiting jobs are cancelled
+                try:
+                    job = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.emit("error", {"status": 503, "message": "the server is shutting down"})
+                    job.emit(None)
+            self._q.put(None)
+            self._worker.join(timeout)
+        self._worker = None
+        if self._ingest_thread is not None:
+            self._ingest_thread.join(timeout)
+
+    # ------------------------------------------------------------------ questions
+
+    @property
+    def model_id(self) -> str:
+        return Path(str(getattr(self.rag.pc.model.config, "_name_or_path", "") or "model")).name or "model"
+
+    def check_question(self, question) -> str:
+        if not isinstance(question, str):
+            raise RequestError("the question must be a string")
+        q = question.strip()
+        if not q:
+            raise RequestError("the question is empty")
+        if len(q) > MAX_QUESTION_CHARS:
+            raise RequestError(f"the question is {len(q)} characters; the limit is {MAX_QUESTION_CHARS}", 413)
+        return q
+
+    def submit(self, question: str, k: int | None = None, compare: bool = False, **gen) -> Job:
+        """Queue a question (call from the event loop); raises :class:`RequestError` or
+        :class:`Busy` at once rather than failing later."""
+        q = self.check_question(question)
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32):
+            raise RequestError("k must be a whole number from 1 to 32")
+        gen.setdefault("max_new_tokens", self.max_new_tokens)
+        if self.rag.index.count() == 0:
+            if self.ingest_state.running:
+                raise RequestError("no document is indexed yet: ingestion is running, ask again in a moment", 409,
+                                   retry_after=5)
+            raise RequestError("no document is indexed yet: add documents first", 409)
+        job = Job(q, k, gen, compare, asyncio.get_running_loop())
+        try:
+            self._q.put_nowait(job)
+        except queue.Full:
+            self.counts["rejected"] += 1
+            raise Busy(self._q.qsize(), self._retry_after()) from None
+        return job
+
+    def _retry_after(self) -> int:
+        recent = self._job_s[-16:]
+        per = sum(recent) / len(recent) if recent else 2.0
+        return max(1, round(per * (self._q.qsize() + 1) / 2))
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                self.counts["cancelled"] += 1
+                continue
+            self.running = job.id
+            t0 = time.perf_counter()
+            try:
+                self._answer(job)
+            except Exception as e:  # noqa: BLE001 - one bad request never stops the worker
+                self.counts["failed"] += 1
+                log.exception("answering %r failed", job.question[:80])
+                job.emit("error", {"status": 500, "message": f"{type(e).__name__}: {e}"})
+            finally:
+                self.running = None
+                self._job_s.append(time.perf_counter() - t0)
+                del self._job_s[:-64]
+                job.emit(None)
+
+    def _answer(self, job: Job) -> None:
+        rag = self.rag
+        queued = time.perf_counter() - job.submitted
+        t0 = time.perf_counter()
+        notes = []
+        if self.ingest_state.running:
+            notes.append(f"ingestion is running: this answer uses the {rag.index.count()} chunks indexed so far")
+        try:
+            handles = rag.retrieve(job.question, job.k)
+            retrieve_s = time.perf_counter() - t0
+            stream = rag.stream(job.question, handles=handles, **job.gen)
+        except (ContextOverflowError, ValueError, TypeError) as e:
+            job.emit("error", {"status": 400, "message": str(e)})
+            return
+        job.emit("start", {"sources": [_source(h) for h in handles], "queued_s": queued, "notes": notes})
+        ttft = None
+        try:
+            for delta in stream:
+                if job.cancelled.is_set():
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                job.emit("delta", delta)
+        finally:
+            stream.close()  # releases the engine at once when the client went away
+        if job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+            return
+        out = rag.pc.last_output
+        stats = {
+            "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+            "queued_s": queued,
+            "retrieve_s": retrieve_s,
+            "total_s": time.perf_counter() - t0,
+            "prompt_tokens": out.cached_tokens + out.computed_tokens,
+            "cached_tokens": out.cached_tokens,
+            "computed_tokens": out.computed_tokens,
+            "recomputed_tokens": out.recomputed_tokens,
+            "output_tokens": len(out.token_ids),
+            "finish_reason": out.finish_reason,
+            "notes": notes,
+        }
+        job.emit("done", stats)
+        self.counts["answered"] += 1
+        if job.compare and not job.cancelled.is_set():
+            # the same retrieved text prefilled in full; both TTFTs include the same retrieval
+            full = rag.answer_full_prefill(job.question, handles=handles, **job.gen)
+            full_ttft = retrieve_s + full.output.ttft_s
+            job.emit("full", {"text": full.text, "ttft_s": full_ttft, "cached_ttft_s": stats["ttft_s"],
+                              "speedup": full_ttft / max(stats["ttft_s"], 1e-9),
+                              "prompt_tokens": full.output.computed_tokens})
+
+    # ------------------------------------------------------------------ ingestion
+
+    def ingest(self, paths: list[str | Path], label: list[str] | None = None) -> None:
+        """Start ingesting ``paths`` in the background; :class:`RequestError` (409) if an
+        ingestion is already running."""
+        if not self._ingest_lock.acquire(blocking=False):
+            raise RequestError("an ingestion is already running: wait for it to finish", 409, retry_after=5)
+        st = self.ingest_state = IngestState(running=True, files=label or [Path(p).name for p in paths],
+                                             started=time.perf_counter())
+
+        def progress(stage: str, done: int, total: int) -> None:
+            st.stage, st.done, st.total = stage, done, total
+
+        def run() -> None:
+            try:
+                rep = self.rag.ingest(paths, progress=False, on_progress=progress)
+                st.report = {
+                    "added": rep.added, "changed": rep.changed, "unchanged": rep.unchanged, "empty": rep.empty,
+                    "chunks_encoded": rep.chunks_encoded, "chunks_reused": rep.chunks_reused,
+                    "skipped": [[Path(p).name, why] for p, why in rep.skipped], "notes": rep.notes,
+                    "seconds": rep.seconds,
+                }
+            except Exception as e:  # noqa: BLE001 - reported on the page; the server stays up
+                log.exception("ingestion failed")
+                st.error = f"{type(e).__name__}: {e}"
+            finally:
+                st.seconds = time.perf_counter() - st.started
+                st.running = False
+                self._ingest_lock.release()
+
+        self._ingest_thread = threading.Thread(target=run, name="pcache-ingest", daemon=True)
+        self._ingest_thread.start()
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> dict:
+        """What the page's cache panel shows: chunks, documents, bytes/hits/misses per tier,
+        the queue and the counters."""
+        pc = self.rag.pc
+        tiers = {name: {k: t[k] for k in ("bytes", "entries", "hits", "misses", "evictions")}
+                 for name, t in pc.stats()["tiers"].items()}
+        try:
+            chunks = self.rag.index.count()
+            documents = len(self.rag.index.sources())
+        except Exception as e:  # noqa: BLE001 - a damaged index is reported, not fatal
+            chunks, documents = 0, 0
+            log.warning("index statistics unavailable: %s", e)
+        return {
+            "model": self.model_id,
+            "chunks": chunks,
+            "documents": documents,
+            "bytes_per_token": pc.adapter.kv_shape.bytes_per_token(torch.empty(0, dtype=pc.store_dtype).element_size()),
+            "tiers": tiers,
+            "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
+            **self.counts,
+            "ingest": vars(self.ingest_state) | {"report": self.ingest_state.report},
+        }
+
+
+def _source(h) -> dict:
+    return {"document": Path(h.source).name, "chunk": int(h.metadata.get("chunk", 0)), "score": round(h.score, 4),
+            "tokens": h.n_tokens, "preview": h.text[:240]}
