@@ -253,14 +253,16 @@ def test_question_while_ingesting_is_answered_from_what_is_indexed(served):
 
 
 def test_client_disconnecting_mid_stream_frees_the_engine(served):
-    srv, service, _rag = served
+    srv, service, rag = served
     before = service.counts["cancelled"]
     body = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[3]}], "stream": True,
             "max_tokens": 200, "temperature": 0}
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if '"content": "' in line and '"content": ""' not in line:
-                break  # the first words arrived: hang up
+    with rag.pc._lock:  # the engine is busy: the answer cannot finish before the client hangs up
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if '"role": "assistant"' in line:
+                    break  # the stream has started: hang up
+        time.sleep(1.5)  # uvicorn sees the closed socket long before this
     deadline = time.time() + 30
     while service.counts["cancelled"] == before and time.time() < deadline:
         time.sleep(0.1)
@@ -314,19 +316,25 @@ def test_full_queue_gets_503_with_retry_after(served):
     from pcache_rag.serve import AnswerService, create_app
 
     _srv, _service, rag = served
-    srv = Server(create_app(AnswerService(rag, max_queue=1, max_new_tokens=24)))
+    service = AnswerService(rag, max_queue=1, max_new_tokens=24)
+    srv = Server(create_app(service))
     try:
-        long = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[0]}],
-                "max_tokens": 400, "temperature": 0, "stop": ["NEVER-SEEN"]}
         with ThreadPoolExecutor(6) as ex:
-            first = ex.submit(httpx.post, srv.url + "/v1/chat/completions", json=long, timeout=300)
-            time.sleep(1.0)  # the first is being answered; one more fits the queue, the rest do not
-            rest = [ex.submit(chat, srv.url, q) for q in QUESTIONS[1:6]]
-            codes = [f.result().status_code for f in rest]
-            busy = [f.result() for f in rest if f.result().status_code == 503]
-            assert first.result().status_code == 200
-        assert codes.count(200) >= 1 and len(busy) >= 3, codes
+            with rag.pc._lock:  # the engine is busy, so the worker holds the first question
+                first = ex.submit(chat, srv.url, QUESTIONS[0])
+                deadline = time.time() + 30
+                while service.running is None:
+                    assert time.time() < deadline, "the worker never took the first question"
+                    time.sleep(0.05)
+                queued = ex.submit(chat, srv.url, QUESTIONS[1])  # fills the queue of one
+                while service.stats()["queue"]["waiting"] < 1:
+                    assert time.time() < deadline, "the second question was not queued"
+                    time.sleep(0.05)
+                busy = [chat(srv.url, q) for q in QUESTIONS[2:5]]
+            assert first.result().status_code == 200 and queued.result().status_code == 200
+        assert [r.status_code for r in busy] == [503] * 3
         assert int(busy[0].headers["Retry-After"]) >= 1 and "busy" in busy[0].json()["error"]["message"]
+        assert service.counts["rejected"] == 3
     finally:
         srv.stop()
 

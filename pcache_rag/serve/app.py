@@ -11,29 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..rag.chunking import SUPPORTED
-from .service import AnswerService, Busy, Job, RequestError
+from .http import body_json, error, events_of, first_event
+from .openai_api import router as openai_router
+from .service import AnswerService, Busy, RequestError
 
-log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 _SAFE = re.compile(r"[^A-Za-z0-9._ -]+")
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None):
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
 def safe_upload_name(name: str | None) -> str:
@@ -50,54 +45,9 @@ def safe_upload_name(name: str | None) -> str:
     return clean
 
 
-async def body_json(request: Request) -> dict:
-    """The request body as a JSON object, or :class:`RequestError` saying what is wrong."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise RequestError("the body must be a JSON object")
-    return data
-
-
-async def first_event(job: Job, request: Request | None = None):
-    """The job's first event; an ``error`` first means nothing was streamed yet, so the
-    caller can still answer with an HTTP error status. A client that disconnects while its
-    question waits in the queue cancels it (checked each second)."""
-    while True:
-        try:
-            ev = await asyncio.wait_for(job.events.get(), 1.0)
-            break
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancel()
-                raise RequestError("the client disconnected", 499) from None
-    if ev is None:
-        raise RequestError("the question was dropped", 500)
-    if ev[0] == "error":
-        raise RequestError(ev[1]["message"], ev[1].get("status", 500), ev[1].get("retry_after"))
-    return ev
-
-
-async def events_of(job: Job):
-    """The job's remaining events until it ends; cancels the job if the consumer stops."""
-    try:
-        while True:
-            ev = await job.events.get()
-            if ev is None:
-                return
-            yield ev
-    finally:
-        job.cancel()  # a client that went away frees the engine at its next token
-
-
 def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
     """The app around ``service``; it starts the service's worker on startup and stops it
     on shutdown. ``max_upload_mb`` bounds each uploaded file."""
-    from .openai_api import router as openai_router
-
     @asynccontextmanager
     async def lifespan(app):
         await asyncio.to_thread(service.warm)
@@ -143,13 +93,14 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
 
     @app.get("/api/ingest")
     async def ingest_status():
-        return service.stats()["ingest"]
+        return service.ingest_status()
 
     @app.post("/api/documents", status_code=202)
     async def upload(files: list[UploadFile]):
         """Save the uploaded files under the upload folder and ingest them in the background."""
         if not files:
             raise RequestError("no file was uploaded")
+        service.check_ingest_idle()  # before writing anything
         names = [safe_upload_name(f.filename) for f in files]  # refuse the lot before writing any
         service.upload_dir.mkdir(parents=True, exist_ok=True)
         root = service.upload_dir.resolve()

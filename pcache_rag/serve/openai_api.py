@@ -24,7 +24,7 @@ import uuid
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from .app import body_json, events_of, first_event
+from .http import body_json, events_of, first_event
 from .service import RequestError
 
 router = APIRouter(prefix="/v1")

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 #: Longest question accepted, in characters (checked before tokenizing; the model's
 #: context is checked after).
 MAX_QUESTION_CHARS = 16_000
+_INGESTING = "an ingestion is already running: wait for it to finish"
 
 
 class Busy(RuntimeError):
@@ -259,11 +260,16 @@ class AnswerService:
 
     # ------------------------------------------------------------------ ingestion
 
+    def check_ingest_idle(self) -> None:
+        """:class:`RequestError` (409) if an ingestion is running."""
+        if self.ingest_state.running:
+            raise RequestError(_INGESTING, 409, retry_after=5)
+
     def ingest(self, paths: list[str | Path], label: list[str] | None = None) -> None:
         """Start ingesting ``paths`` in the background; :class:`RequestError` (409) if an
         ingestion is already running."""
         if not self._ingest_lock.acquire(blocking=False):
-            raise RequestError("an ingestion is already running: wait for it to finish", 409, retry_after=5)
+            raise RequestError(_INGESTING, 409, retry_after=5)
         st = self.ingest_state = IngestState(running=True, files=label or [Path(p).name for p in paths],
                                              started=time.perf_counter())
 
@@ -312,8 +318,14 @@ class AnswerService:
             "tiers": tiers,
             "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
             **self.counts,
-            "ingest": vars(self.ingest_state) | {"report": self.ingest_state.report},
+            "ingest": self.ingest_status(),
         }
+
+    def ingest_status(self) -> dict:
+        """The running or last ingestion: stage (``read`` bytes, ``encode`` chunks), done,
+        total, files, and the report or error once it ended."""
+        st = self.ingest_state
+        return {k: v for k, v in vars(st).items() if k != "started"}
 
 
 def _source(h) -> dict:

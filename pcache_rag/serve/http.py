@@ -1,0 +1,61 @@
+"""HTTP helpers shared by the page's API (:mod:`.app`) and the OpenAI-compatible API
+(:mod:`.openai_api`): JSON errors, strict JSON bodies, and a job's events as the
+request sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .service import Job, RequestError
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None):
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+
+async def body_json(request: Request) -> dict:
+    """The request body as a JSON object, or :class:`RequestError` saying what is wrong."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the body must be a JSON object")
+    return data
+
+
+async def first_event(job: Job, request: Request | None = None):
+    """The job's first event; an ``error`` first means nothing was streamed yet, so the
+    caller can still answer with an HTTP error status. A client that disconnects while its
+    question waits in the queue cancels it (checked each second)."""
+    while True:
+        try:
+            ev = await asyncio.wait_for(job.events.get(), 1.0)
+            break
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.cancel()
+                raise RequestError("the client disconnected", 499) from None
+    if ev is None:
+        raise RequestError("the question was dropped", 500)
+    if ev[0] == "error":
+        raise RequestError(ev[1]["message"], ev[1].get("status", 500), ev[1].get("retry_after"))
+    return ev
+
+
+async def events_of(job: Job):
+    """The job's remaining events until it ends; cancels the job if the consumer stops."""
+    try:
+        while True:
+            ev = await job.events.get()
+            if ev is None:
+                return
+            yield ev
+    finally:
+        job.cancel()  # a client that went away frees the engine at its next token
