@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml Makefile connectors/langchain-pcache/pyprojec
 	$(BIN)/pip install -q -e ".[all]"
 	# The connectors are separate distributions, each installable on its own.
 	$(BIN)/pip install -q --no-deps -e connectors/langchain-pcache -e connectors/llama-index-llms-pcache
-	# Debian's chromium for the web app's browser test (skips, saying why, without it).
-	./scripts/install-chromium.sh
+	# chromium and redis-server, which tests start for real (they skip, saying why, without them)
+	./scripts/install-system-deps.sh
 	touch $@
 
 demo: setup

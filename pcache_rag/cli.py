@@ -94,7 +94,7 @@ def _rag(a, create: bool):
     budget = int(a.disk_budget * (1 << 30)) if a.disk_budget else None
     pc = PromptCache.from_pretrained(a.model, encoding=a.encoding,
                                      store=default_store("cpu", Path(a.index).expanduser() / "kv",
-                                                         disk_budget=budget))
+                                                         disk_budget=budget, kv_url=a.kv_url))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None))
 
@@ -271,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--index", required=True, help="index directory (chroma + KV store)")
         x.add_argument("--model", default=None, help="local model folder or .gguf (default: embedded SmolLM2)")
         x.add_argument("--chroma-url", default=None, help="use a chroma server instead of the embedded one")
+        x.add_argument("--kv-url", default=None, metavar="URL",
+                       help="share states through a Redis/Valkey server (redis://host:6379/0)")
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
         x.add_argument("--disk-budget", type=float, default=None, metavar="GB",
                        help="KV store disk budget in GiB (default: half the free disk, at most 64)")

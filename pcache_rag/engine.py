@@ -142,11 +142,14 @@ class PromptCache:
         cache_dir: str | None = None,
         store_dtype: torch.dtype | None = torch.float16,
         recompute: "str | Recompute" = "none",
+        kv_url: str | None = None,
     ):
         """Wrap a loaded causal LM.
 
         ``store``: where module states live (default: a host-memory tier, plus a
-        disk tier in ``cache_dir`` when given, plus a device tier on CUDA).
+        disk tier in ``cache_dir`` when given, plus a device tier on CUDA, plus a
+        remote tier shared through the Redis/Valkey server at ``kv_url``, such as
+        ``"redis://host:6379/0"``, when given).
         ``store_dtype``: precision of stored states (fp16 by default, as the
         paper; ``None`` keeps the model's dtype); they are converted to the
         model's dtype while being copied into the workspace.
@@ -174,7 +177,9 @@ class PromptCache:
         )
         self._lock = _EngineLock()
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.store = store if store is not None else default_store(self.adapter.device, cache_dir)
+        if store is not None and kv_url is not None:
+            raise ValueError("give either store or kv_url: kv_url adds a remote tier to the default store")
+        self.store = store if store is not None else default_store(self.adapter.device, cache_dir, kv_url=kv_url)
         self.store_dtype = store_dtype or self.adapter.dtype
         self.fingerprint = model_fingerprint(
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}

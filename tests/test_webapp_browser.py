@@ -29,7 +29,7 @@ def _chromium() -> str:
         if path:
             return path
     pytest.skip("Debian's chromium is not installed (make setup installs it as root with apt-get; "
-                "see scripts/install-chromium.sh)")
+                "see scripts/install-system-deps.sh)")
 
 
 @pytest.fixture()

@@ -127,6 +127,8 @@ class CachedRAG:
     exist). ``chunk_tokens`` defaults to the index's own (512 for a new one); ``k`` chunks
     of that size must fit the model's context with the question. ``recompute`` sets the
     policy for answers (``"epic:16"``, ``"blend:0.15"``...; per call: ``answer(..., recompute=)``).
+    ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
+    machines share: states encoded by one are read by the others.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class CachedRAG:
         embedder: MiniLMEmbedder | None = None,
         create: bool = True,
         recompute: str | None = None,
+        kv_url: str | None = None,
     ):
         self.index_dir = check_index_dir(index_dir, create)
         #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
@@ -156,7 +159,10 @@ class CachedRAG:
         self.chunk_tokens = int(chunk_tokens or built or 512)
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be at least 16")
-        self.pc = pc if pc is not None else PromptCache.from_pretrained(model, cache_dir=str(self.index_dir / "kv"))
+        if pc is not None and kv_url is not None:
+            raise ValueError("give kv_url to the PromptCache you pass (pc), or let CachedRAG build one")
+        self.pc = pc if pc is not None else PromptCache.from_pretrained(model, cache_dir=str(self.index_dir / "kv"),
+                                                                        kv_url=kv_url)
         self.embedder = embedder or MiniLMEmbedder()
         self.chroma_url = chroma_url
         self._index: ChromaIndex | None = None

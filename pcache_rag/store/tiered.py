@@ -1,7 +1,9 @@
-"""The tiered store: device > host > disk, reads promote, evictions demote, prefetch in the background.
+"""The tiered store: device > host > disk > remote, reads promote, evictions demote, prefetch
+in the background.
 
-``put`` writes to the fastest tier and, when there is a disk tier, through to
-disk as well, so a new process finds every module (persistence). Entries
+``put`` writes to the fastest tier and through to the disk and remote tiers when there
+are any, so a new process (or, through the remote tier, another machine) finds every
+module. Entries
 evicted from a memory tier move to the next tier down (skipped when that tier
 already holds them). ``get`` searches fastest first and promotes a hit to the
 fastest tier. ``prefetch(keys)`` does the same on a background thread, so a
@@ -16,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..kv import ModuleKV
 from .base import KVStore, TierStats
 from .disk import DiskTier
+from .remote import RemoteTier
 
 
 class TieredStore(KVStore):
@@ -30,8 +33,11 @@ class TieredStore(KVStore):
 
     @property
     def disk(self) -> DiskTier | None:
-        last = self.tiers[-1]
-        return last if isinstance(last, DiskTier) else None
+        return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        return next((t for t in self.tiers if isinstance(t, RemoteTier)), None)
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -70,9 +76,9 @@ class TieredStore(KVStore):
     def put(self, key: str, kv: ModuleKV) -> list[tuple[str, ModuleKV]]:
         with self._lock:
             self._put_from(0, key, kv)
-            disk = self.disk
-            if disk is not None and len(self.tiers) > 1 and not disk.contains(key):
-                disk.put(key, kv)  # write-through: persistence across processes
+            for t in (self.disk, self.remote):  # write-through: persistence, and sharing
+                if t is not None and t is not self.tiers[0] and not t.contains(key):
+                    t.put(key, kv)
         return []
 
     def remove(self, key: str) -> bool:
