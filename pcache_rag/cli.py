@@ -177,6 +177,9 @@ def cmd_ask(a) -> int:
               f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}{re_}")
     if len(runs) == 2:
         print(f"       ratio: x{runs[1][1].ttft_s / runs[0][1].ttft_s:.1f}")
+    hits = {n: t["hits"] for n, t in rag.pc.stats()["tiers"].items()}
+    print(f"      states: {rag.pc.encoded['units']} encoded here; hits per tier: "
+          + ", ".join(f"{n} {h}" for n, h in hits.items()))
     return 0
 
 

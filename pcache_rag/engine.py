@@ -196,6 +196,8 @@ class PromptCache:
                 self.adapter.rerotatable = False
         #: the output of the most recent generate()/stream() call (stream users read stats here)
         self.last_output: GenerationOutput | None = None
+        #: units (modules, chunks, preambles) and tokens encoded by this engine so far
+        self.encoded = {"units": 0, "tokens": 0}
 
     # ------------------------------------------------------------------ loading
 
@@ -331,6 +333,8 @@ class PromptCache:
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(position_ids, dtype=torch.long, device=dev)
         T = ids.shape[0]
+        self.encoded["units"] += 1
+        self.encoded["tokens"] += T
         if context is None:
             cache = DynamicCache()
             self.adapter.forward(ids, pos, cache, None, None)
@@ -694,12 +698,14 @@ class PromptCache:
         return self.adapter.forward(ids, pos, DynamicCache(), None, None)[-1]
 
     def stats(self) -> dict:
-        """Store statistics per tier (hits, misses, bytes, evictions, load time) and schemas."""
+        """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, and
+        what this engine encoded (units and tokens)."""
         tiers = getattr(self.store, "tier_stats", None)
         return {
             "tiers": {k: vars_of(v) for k, v in tiers().items()} if tiers else {"store": vars_of(self.store.stats())},
             "schemas": {n: len(st.keys) for n, st in self._schemas.items()},
             "workspace_bytes": self.workspace.nbytes(),
+            "encoded": dict(self.encoded),
         }
 
 

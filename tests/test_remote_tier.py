@@ -196,3 +196,74 @@ def test_large_values_are_split_into_parts(server, smol_tok):
     server.client.delete("t:k1:3")  # one part evicted by the server: a miss, and the rest removed
     assert tier.get("k1") is None and not tier.contains("k1") and server.client.exists("t:k1:0") == 0
     assert tier.remove("nothing") is False
+
+
+def _wait_http(url: str, proc, timeout: float = 120) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "the process exited"
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, f"{url} did not come up"
+        time.sleep(0.3)
+
+
+@pytest.mark.real_model
+def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_dir, tmp_path):
+    """The README's several-machines deployment on one host: `chroma run` for the index, Redis
+    for the states, one process ingests, two `pcache-rag serve` processes answer."""
+    import sys
+
+    import httpx
+
+    pytest.importorskip("fastapi")
+    chroma_exe = shutil.which("chroma") or str(Path(sys.executable).with_name("chroma"))
+    cport = free_port()
+    chroma = subprocess.Popen([chroma_exe, "run", "--path", str(tmp_path / "chroma"), "--host", "127.0.0.1",
+                               "--port", str(cport)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers = []
+    try:
+        _wait_http(f"http://127.0.0.1:{cport}/api/v2/heartbeat", chroma, 60)
+        shared = ["--chroma-url", f"http://127.0.0.1:{cport}", "--kv-url", server.url, "--model", str(smol_dir)]
+        cli = [sys.executable, "-m", "pcache_rag.cli"]
+        docs = tmp_path / "docs"
+        docs.mkdir()
+        for name, text in DOCS.items():
+            (docs / name).write_text(text)
+        subprocess.run(cli + ["ingest", str(docs), "--index", str(tmp_path / "ingester"), "--chunk-tokens", "64",
+                              *shared], check=True, capture_output=True)
+        urls = []
+        for name in ("answer-1", "answer-2"):  # each with its own local index folder and disk tier
+            port = free_port()
+            proc = subprocess.Popen(cli + ["serve", "--index", str(tmp_path / name), "--port", str(port), "--k", "2",
+                                           "--quiet", *shared],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            servers.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, servers):
+            _wait_http(url + "/healthz", proc)
+        questions = [Q, "When does the ferry leave?", "Who owns the bakery on Elm Street?"]
+        answers = []
+        for url in urls:
+            got = []
+            for q in questions:
+                r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                    "model": "pcache-rag", "messages": [{"role": "user", "content": q}], "max_tokens": 16})
+                assert r.status_code == 200, r.text
+                got.append(r.json()["choices"][0]["message"]["content"])
+            answers.append(got)
+            st = httpx.get(url + "/api/status").json()
+            assert st["encoded"]["units"] == 0, "every state came from the shared server"
+            assert st["tiers"]["remote"]["hits"] > 0 and st["chunks"] == len(DOCS)
+        assert answers[0] == answers[1] and all(answers[0])
+    finally:
+        for p in servers:
+            p.terminate()
+            p.wait(30)
+        chroma.terminate()
+        chroma.wait(30)

@@ -302,8 +302,9 @@ class AnswerService:
         """What the page's cache panel shows: chunks, documents, bytes/hits/misses per tier,
         the queue and the counters."""
         pc = self.rag.pc
+        st = pc.stats()
         tiers = {name: {k: t[k] for k in ("bytes", "entries", "hits", "misses", "evictions")}
-                 for name, t in pc.stats()["tiers"].items()}
+                 for name, t in st["tiers"].items()}
         try:
             chunks = self.rag.index.count()
             documents = len(self.rag.index.sources())
@@ -316,6 +317,7 @@ class AnswerService:
             "documents": documents,
             "bytes_per_token": pc.adapter.kv_shape.bytes_per_token(torch.empty(0, dtype=pc.store_dtype).element_size()),
             "tiers": tiers,
+            "encoded": st["encoded"],  # by this process: zero when another one encoded everything
             "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
             **self.counts,
             "ingest": self.ingest_status(),

@@ -62,6 +62,7 @@ function renderStatus(s) {
   $("n-docs").textContent = s.documents;
   $("n-chunks").textContent = s.chunks;
   $("bpt").textContent = `${human(s.bytes_per_token)} per token`;
+  $("encoded").textContent = `${s.encoded.units} units, ${s.encoded.tokens} tokens`;
   $("queue").textContent = `${s.queue.waiting} waiting${s.queue.running ? ", 1 answering" : ""} (limit ${s.queue.limit})`;
   $("answered").textContent = `${s.answered} (${s.cancelled} cancelled, ${s.rejected} refused)`;
   const body = $("tiers").querySelector("tbody");
