@@ -168,9 +168,11 @@ def _drop_page_cache(directory) -> None:
                 os.close(fd)
 
 
-def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory=None, log=print) -> dict:
+def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory=None, log=print,
+                kv_url: str | None = None) -> dict:
     """Bytes per cached token vs the formula, disk load throughput, and TTFT from each tier
-    (memory fp32, host fp16, disk with warm and cold page cache) against full prefill, one run."""
+    (memory fp32, host fp16 and int8, disk with warm and cold page cache, and the Redis
+    tier at ``kv_url`` when given) against full prefill, one run."""
     import tempfile
 
     import torch
@@ -221,6 +223,37 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
 
     t_cold = ttft(pc, evict_cold)
 
+    # int8 states (KIVI-style) from the host tier: half the bytes, dequantized while copied in
+    pc8 = PromptCache(model, tok, store=TieredStore([MemoryTier("cpu", name="host")]), store_dtype="int8",
+                      max_tokens=tokens + 64)
+    pc8.add_schema(schema)
+    kvs8 = [pc8.store.get(k) for k in pc8._schemas["store"].keys.values()]
+    t_host8 = ttft(pc8)
+    out["bytes_per_token_int8"] = round(sum(kv.nbytes() for kv in kvs8) / sum(kv.length for kv in kvs8), 1)
+    out["ttft_host_int8_s"] = round(t_host8, 4)
+    del pc8, kvs8
+
+    if kv_url:  # the remote tier: host emptied before each run, no disk, so every unit comes from Redis
+        import uuid
+
+        from .store import RemoteTier
+
+        host_r = MemoryTier("cpu", name="host")
+        remote = RemoteTier(kv_url, prefix=f"pcache-bench-{uuid.uuid4().hex[:8]}")
+        pcr = PromptCache(model, tok, store=TieredStore([host_r, remote]), max_tokens=tokens + 64)
+        pcr.add_schema(schema)
+        keys_r = list(pcr._schemas["store"].keys.values())
+        assert all(remote.contains(k) for k in keys_r), f"the Redis server at {kv_url} did not keep the states"
+
+        def evict_host_r():
+            for k in keys_r:
+                host_r.remove(k)
+
+        out["ttft_remote_s"] = round(ttft(pcr, evict_host_r), 4)
+        out["speedup_remote"] = round(full / out["ttft_remote_s"], 1)
+        remote.clear()
+        pcr.store.close()
+
     # bytes per token, and raw disk load throughput
     shape = pc.adapter.kv_shape
     kvs = [disk.get(k) for k in keys]
@@ -261,7 +294,9 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
         f"disk load {out['disk_load_MBps_warm']} MB/s warm, {out['disk_load_MBps_cold']} MB/s cold\n"
         f"{tokens} tokens: full prefill {full:.2f}s | memory fp32 {t_mem * 1e3:.0f} ms | host fp16 {t_host * 1e3:.0f} ms "
         f"(x{out['host_over_memory']} of memory) | disk warm {t_warm * 1e3:.0f} ms (x{out['speedup_disk_warm']} vs full) | "
-        f"disk cold {t_cold * 1e3:.0f} ms (x{out['speedup_disk_cold']})"
+        f"disk cold {t_cold * 1e3:.0f} ms (x{out['speedup_disk_cold']})\n"
+        f"int8: {out['bytes_per_token_int8']} bytes/token, host {t_host8 * 1e3:.0f} ms"
+        + (f" | remote (Redis) {out['ttft_remote_s'] * 1e3:.0f} ms (x{out['speedup_remote']} vs full)" if kv_url else "")
     )
     pc.store.close()
     return out
@@ -391,6 +426,7 @@ def bench_quality(model_path=None, slots: int = 4, max_new_tokens: int = 16, fac
         "cached isolated fp16": dict(encoding="isolated"),
         "cached preamble fp16": dict(encoding="preamble"),
         "cached preamble fp32": dict(encoding="preamble", store_dtype=None),
+        "cached preamble int8": dict(encoding="preamble", store_dtype="int8"),
     }
     results: dict[str, dict] = {}
     for mode, kw in modes.items():
@@ -417,6 +453,8 @@ def bench_quality(model_path=None, slots: int = 4, max_new_tokens: int = 16, fac
         del pc
         torch.manual_seed(0)
     full = results["full prefill"]["answers"]
+    fp16 = results["cached preamble fp16"]["answers"]
     for mode, r in results.items():
         r["same_answer_as_full"] = sum(x == y for x, y in zip(r["answers"], full))
+        r["same_answer_as_fp16"] = sum(x == y for x, y in zip(r["answers"], fp16))
     return {"slots": slots, "results": results}

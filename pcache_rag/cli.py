@@ -48,7 +48,7 @@ def cmd_bench(a) -> int:
     if a.what == "store":
         from .bench import bench_store
 
-        row = bench_store(a.model, tokens=a.tokens, repeats=a.repeats, directory=a.dir, log=log)
+        row = bench_store(a.model, tokens=a.tokens, repeats=a.repeats, directory=a.dir, log=log, kv_url=a.kv_url)
         if a.json:
             print(json.dumps({"benchmark": "store", **row}, indent=2))
         return 0
@@ -92,7 +92,7 @@ def _rag(a, create: bool):
     from .store import default_store
 
     budget = int(a.disk_budget * (1 << 30)) if a.disk_budget else None
-    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding,
+    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding, store_dtype=a.store_dtype,
                                      store=default_store("cpu", Path(a.index).expanduser() / "kv",
                                                          disk_budget=budget, kv_url=a.kv_url))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quality: distractor documents state no competing facts")
     b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
     b.add_argument("--dir", default=None, help="store/rag: working directory (default: a temporary one)")
+    b.add_argument("--kv-url", default=None, metavar="URL", help="store: also time the Redis tier at this URL")
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--kv-url", default=None, metavar="URL",
                        help="share states through a Redis/Valkey server (redis://host:6379/0)")
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
+        x.add_argument("--store-dtype", choices=("float16", "int8"), default="float16",
+                       help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
         x.add_argument("--disk-budget", type=float, default=None, metavar="GB",
                        help="KV store disk budget in GiB (default: half the free disk, at most 64)")
 

@@ -140,7 +140,7 @@ class PromptCache:
         max_tokens: int | None = None,
         store: KVStore | None = None,
         cache_dir: str | None = None,
-        store_dtype: torch.dtype | None = torch.float16,
+        store_dtype: torch.dtype | str | None = torch.float16,
         recompute: "str | Recompute" = "none",
         kv_url: str | None = None,
     ):
@@ -151,7 +151,8 @@ class PromptCache:
         remote tier shared through the Redis/Valkey server at ``kv_url``, such as
         ``"redis://host:6379/0"``, when given).
         ``store_dtype``: precision of stored states (fp16 by default, as the
-        paper; ``None`` keeps the model's dtype); they are converted to the
+        paper; ``None`` keeps the model's dtype; ``"int8"`` or ``torch.int8``
+        quantizes as KIVI does, about half of fp16); they are converted to the
         model's dtype while being copied into the workspace.
         ``max_tokens``: initial workspace capacity (it grows on demand).
         ``recompute``: the default policy for prompts that assemble several units
@@ -180,7 +181,7 @@ class PromptCache:
         if store is not None and kv_url is not None:
             raise ValueError("give either store or kv_url: kv_url adds a remote tier to the default store")
         self.store = store if store is not None else default_store(self.adapter.device, cache_dir, kv_url=kv_url)
-        self.store_dtype = store_dtype or self.adapter.dtype
+        self.store_dtype = _store_dtype(store_dtype) or self.adapter.dtype
         self.fingerprint = model_fingerprint(
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
@@ -505,7 +506,7 @@ class PromptCache:
         ids = torch.cat([kv.token_ids for kv in kvs]).to(dev)
         pos = torch.cat([kv.position_ids for kv in kvs]).to(dev)
         fresh = first_layers_keys(self.adapter, ids, pos, policy.check_layer)  # (H, C, D)
-        cached = torch.cat([kv.keys[policy.check_layer].to(device=dev, dtype=fresh.dtype) for kv in kvs], dim=1)
+        cached = torch.cat([kv.layer_keys(policy.check_layer, dev, fresh.dtype) for kv in kvs], dim=1)
         scores = (fresh - cached).pow(2).sum(dim=(0, 2))  # (C,)
         return blend_rows(scores, lengths, policy.ratio)
 
@@ -726,6 +727,21 @@ def _deltas(items) -> Iterator[str]:
     for item in items:
         if isinstance(item, str):
             yield item
+
+
+_STORE_DTYPES = {"int8": torch.int8, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _store_dtype(d) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        if d is not None and d not in _STORE_DTYPES.values():
+            raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d}")
+        return d
+    try:
+        return _STORE_DTYPES[str(d).lower()]
+    except KeyError:
+        raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d!r}") from None
 
 
 def _gen_kwargs(kw: dict) -> dict:

@@ -25,28 +25,87 @@ class ModuleKV:
 
     Never modified after creation: every prompt that imports the unit reads
     the same tensors, which is what makes repeated prompts identical.
+
+    ``.to(dtype=torch.int8)`` quantizes as KIVI does: keys per channel (their outliers
+    sit in fixed channels), values per token, symmetric, with fp16 scales kept beside
+    the data. Any float ``.to(dtype=...)`` dequantizes, and the workspace dequantizes
+    while it copies a unit in.
     """
 
-    keys: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim)
-    values: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim_v)
+    keys: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim); int8 when quantized
+    values: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim_v); int8 when quantized
     token_ids: torch.Tensor  # (T,) int64
     position_ids: torch.Tensor  # (T,) int64
     uid: int = field(default_factory=lambda: next(_uid))  # identity for buffer reuse
+    k_scale: torch.Tensor | None = None  # (n_layers, n_kv_heads, 1, head_dim) fp16, int8 keys only
+    v_scale: torch.Tensor | None = None  # (n_layers, n_kv_heads, T, 1) fp16, int8 values only
 
     @property
     def length(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state tensors by name (scales included when quantized)."""
+        out = {"keys": self.keys, "values": self.values}
+        if self.quantized:
+            out.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        return out
+
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def map(self, fn, uid: bool = True) -> "ModuleKV":
+        """The same unit with ``fn`` applied to every state tensor (a move, a pin)."""
+        t = {k: fn(v) for k, v in self.tensors().items()}
+        return ModuleKV(t["keys"], t["values"], self.token_ids, self.position_ids,
+                        **({"uid": self.uid} if uid else {}), k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
+
+    def with_positions(self, position_ids: torch.Tensor) -> "ModuleKV":
+        """The same states at other position ids (for encodings whose states carry no position)."""
+        return ModuleKV(self.keys, self.values, self.token_ids, position_ids, uid=self.uid, k_scale=self.k_scale,
+                        v_scale=self.v_scale)
 
     def to(self, device=None, dtype=None) -> "ModuleKV":
-        """A copy on ``device`` in ``dtype`` (same ``uid`` only if nothing changed)."""
+        """A copy on ``device`` in ``dtype`` (same ``uid`` only if nothing changed);
+        ``torch.int8`` quantizes, a float dtype dequantizes."""
+        if dtype == torch.int8:
+            kv = self if self.quantized else _quantize(self)
+            return kv if device is None else kv.map(lambda t: t.to(device))
+        if self.quantized:
+            if dtype is None:
+                return self.map(lambda t: t.to(device=device))
+            k = self.keys.to(device=device, dtype=dtype) * self.k_scale.to(device=device, dtype=dtype)
+            v = self.values.to(device=device, dtype=dtype) * self.v_scale.to(device=device, dtype=dtype)
+            return ModuleKV(k, v, self.token_ids, self.position_ids)
         k = self.keys.to(device=device, dtype=dtype)
         v = self.values.to(device=device, dtype=dtype)
         if k is self.keys and v is self.values:
             return self
         return ModuleKV(k, v, self.token_ids, self.position_ids)
+
+    def layer_keys(self, layer: int, device=None, dtype=None) -> torch.Tensor:
+        """Keys of one layer, dequantized, (n_kv_heads, T, head_dim)."""
+        k = self.keys[layer].to(device=device, dtype=dtype)
+        return k * self.k_scale[layer].to(device=device, dtype=dtype) if self.quantized else k
+
+
+# The smallest fp16 normal number: scales below it would lose precision as fp16.
+_MIN_SCALE = 2.0**-14
+
+
+def _quantize(kv: ModuleKV) -> ModuleKV:
+    """Symmetric int8: keys per channel (over tokens), values per token (over channels)."""
+    k = kv.keys.float()
+    v = kv.values.float()
+    ks = (k.abs().amax(dim=2, keepdim=True) / 127).clamp_min(_MIN_SCALE)  # (L, H, 1, D)
+    vs = (v.abs().amax(dim=3, keepdim=True) / 127).clamp_min(_MIN_SCALE)  # (L, H, T, 1)
+    kq = (k / ks).round_().clamp_(-127, 127).to(torch.int8)
+    vq = (v / vs).round_().clamp_(-127, 127).to(torch.int8)
+    return ModuleKV(kq, vq, kv.token_ids, kv.position_ids, k_scale=ks.half(), v_scale=vs.half())
 
 
 class BufferLayer(DynamicLayer):
@@ -152,8 +211,12 @@ class Workspace:
             end = off + u.length
             # One copy moves the unit for every layer at once.
             # non_blocking: from pinned host memory to a GPU the copy overlaps compute
-            self.k[:, 0, :, off:end].copy_(u.keys, non_blocking=True)  # (L, H, T, D)
-            self.v[:, 0, :, off:end].copy_(u.values, non_blocking=True)
+            k, v = self.k[:, 0, :, off:end], self.v[:, 0, :, off:end]  # (L, H, T, D)
+            k.copy_(u.keys, non_blocking=True)
+            v.copy_(u.values, non_blocking=True)
+            if u.quantized:  # int8 in, dequantized in place: no temporary of the unit's size
+                k.mul_(u.k_scale.to(device=k.device, dtype=k.dtype))
+                v.mul_(u.v_scale.to(device=v.device, dtype=v.dtype))
             resident.append((u.uid, end))
             copied += u.length
             off = end

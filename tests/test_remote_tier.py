@@ -196,6 +196,10 @@ def test_large_values_are_split_into_parts(server, smol_tok):
     server.client.delete("t:k1:3")  # one part evicted by the server: a miss, and the rest removed
     assert tier.get("k1") is None and not tier.contains("k1") and server.client.exists("t:k1:0") == 0
     assert tier.remove("nothing") is False
+    q = kv.to(dtype=torch.int8)  # int8 states travel with their scales
+    tier.put("k8", q)
+    back = tier.get("k8")
+    assert back.quantized and torch.equal(back.v_scale, q.v_scale) and torch.equal(back.keys, q.keys)
 
 
 def _wait_http(url: str, proc, timeout: float = 120) -> None:

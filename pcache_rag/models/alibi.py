@@ -47,9 +47,7 @@ class AlibiAdapter(Adapter):
 
     def move(self, kv, delta: int):
         """ALiBi keys and values carry no position: only the position ids change."""
-        from ..kv import ModuleKV
-
-        return ModuleKV(kv.keys, kv.values, kv.token_ids, kv.position_ids + delta, uid=kv.uid)
+        return kv.with_positions(kv.position_ids + delta)
 
     def _max_positions(self) -> int:
         return int(getattr(self.config, "max_seq_len", 0) or 1 << 20)

@@ -95,6 +95,8 @@ class RopeAdapter(Adapter):
         from ..kv import ModuleKV
 
         # Rotated in float32 or wider (stored states may be fp16), returned in the model's dtype.
+        if kv.quantized:
+            kv = kv.to(dtype=self.dtype)
         keys = self.rerotate(kv.keys, int(delta), out_dtype=self.dtype)  # (L, H, T, D)
         return ModuleKV(keys, kv.values, kv.token_ids, kv.position_ids + delta)
 

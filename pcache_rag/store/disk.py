@@ -2,7 +2,7 @@
 
 Each entry is ``sha256(blob) || blob`` where ``blob`` is a safetensors file
 holding ``keys``, ``values``, ``token_ids`` and ``position_ids`` (their shapes
-and dtypes are in its header) with metadata naming the entry's key and format.
+and dtypes are in its header; int8 states add ``k_scale`` and ``v_scale``) with metadata naming the entry's key and format.
 On read the checksum, the format and the key are verified; a damaged entry is
 dropped, logged and reported as a miss, so the engine re-encodes it. Nothing is
 ever unpickled: values are raw bytes and safetensors only parses tensors.
@@ -47,15 +47,9 @@ _DC_POLICY = {"lru": "least-recently-used", "lfu": "least-frequently-used", "non
 
 def encode_entry(key: str, kv: ModuleKV) -> bytes:
     """Serialize one entry (checksum + safetensors)."""
-    blob = st.save(
-        {
-            "keys": kv.keys.contiguous().cpu(),
-            "values": kv.values.contiguous().cpu(),
-            "token_ids": kv.token_ids.contiguous().cpu(),
-            "position_ids": kv.position_ids.contiguous().cpu(),
-        },
-        metadata={"format": FORMAT, "key": key},
-    )
+    tensors = {name: t.contiguous().cpu() for name, t in kv.tensors().items()}
+    tensors.update(token_ids=kv.token_ids.contiguous().cpu(), position_ids=kv.position_ids.contiguous().cpu())
+    blob = st.save(tensors, metadata={"format": FORMAT, "key": key})
     return hashlib.sha256(blob).digest() + blob
 
 
@@ -77,7 +71,11 @@ def decode_entry(key: str, data: bytes) -> ModuleKV:
     k, v, ids, pos = t["keys"], t["values"], t["token_ids"], t["position_ids"]
     if k.ndim != 4 or v.shape[:3] != k.shape[:3] or ids.shape != (k.shape[2],) or pos.shape != ids.shape:
         raise ValueError(f"inconsistent shapes {tuple(k.shape)} {tuple(v.shape)} {tuple(ids.shape)}")
-    return ModuleKV(k, v, ids, pos)
+    ks, vs = t.get("k_scale"), t.get("v_scale")
+    if (k.dtype == torch.int8) != (ks is not None and vs is not None) or (ks is not None and (
+            ks.shape != (*k.shape[:2], 1, k.shape[3]) or vs.shape != (*v.shape[:3], 1))):
+        raise ValueError("int8 states without matching scales (or scales without int8 states)")
+    return ModuleKV(k, v, ids, pos, k_scale=ks, v_scale=vs)
 
 
 def _is_damage(e: BaseException) -> bool:

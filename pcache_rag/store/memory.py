@@ -62,10 +62,7 @@ class MemoryTier(KVStore):
     def _place(self, kv: ModuleKV) -> ModuleKV:
         if kv.keys.device == self.device and (not self.pin or kv.keys.is_pinned()):
             return kv
-        k, v = kv.keys.to(self.device), kv.values.to(self.device)
-        if self.pin:
-            k, v = k.pin_memory(), v.pin_memory()
-        return ModuleKV(k, v, kv.token_ids, kv.position_ids, uid=kv.uid)
+        return kv.map(lambda t: t.to(self.device).pin_memory() if self.pin else t.to(self.device))
 
     def put(self, key: str, kv: ModuleKV) -> list[tuple[str, ModuleKV]]:
         n = kv.nbytes()
