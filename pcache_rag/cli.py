@@ -121,6 +121,7 @@ def cmd_ingest(a) -> int:
         print(f"skipped: {shown(path)}: {why}", file=sys.stderr)
     extra = f", {rep.pruned} pruned" if a.prune else ""
     lazy = f", {rep.chunks_lazy} left to encode on first use" if rep.chunks_lazy else ""
+    lazy += f", {rep.lazy_filled} lazily indexed before and encoded now" if rep.lazy_filled else ""
     print(
         f"files: {rep.added} added, {rep.changed} changed, {rep.unchanged} unchanged, {rep.removed} removed{extra}, "
         f"{rep.empty} empty, {len(rep.skipped)} skipped; chunks: {rep.chunks_encoded} encoded, "
@@ -140,6 +141,9 @@ def cmd_verify(a) -> int:
     v = rag.verify()
     for line in v.lines():
         print(shown(line))
+    st = rag.state_stats()
+    print(f"{st['chunks']} chunks; {st['lazy']} indexed lazily, of which {st['hot']} hot (states made on first "
+          f"use) and {st['cold']} cold" if st["lazy"] else f"{st['chunks']} chunks, all encoded at ingest")
     print("clean" if v.clean else "problems found: `pcache-rag ingest --repair --index DIR` fixes them "
           "(`--prune` removes sources that are gone)")
     return 0 if v.clean else 1

@@ -195,3 +195,23 @@ def test_chroma_server_via_url(smol, tmp_path, corpus):
     finally:
         srv.terminate()
         srv.wait(timeout=30)
+
+
+def test_lazy_chunks_turn_hot_on_first_use_and_an_eager_ingest_fills_the_rest(smol, tmp_path, corpus):
+    from pcache_rag import PromptCache
+
+    index = tmp_path / "lazy"
+    rag = CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=1,
+                    chunk_tokens=16)
+    rep = rag.ingest([corpus], progress=False, encode="lazy")
+    st = rag.state_stats()
+    assert rep.chunks_lazy == st["lazy"] == st["chunks"] >= 6 and st["hot"] == 0 and rep.chunks_encoded == 0
+    encoded_before = rag.pc.encoded["units"]
+    rag.answer("Which pastry is French?", max_new_tokens=4)
+    assert rag.pc.encoded["units"] == encoded_before + 1, "the one retrieved chunk (the preamble was made at ingest)"
+    assert rag.state_stats()["hot"] == 1
+    again = rag.ingest([corpus], progress=False)  # eager: the cold ones are encoded, nothing else
+    assert again.unchanged == 3 and again.lazy_filled == st["lazy"] - 1
+    assert rag.state_stats() == {**st, "lazy": 0, "hot": 0, "cold": 0}
+    assert rag.verify().clean
+    rag.close()

@@ -106,6 +106,10 @@ class ChromaIndex:
             s = slice(i, i + 1000)
             self.col.upsert(ids=ids[s], embeddings=embeddings[s], documents=documents[s], metadatas=metadatas[s])
 
+    def update_metadata(self, ids: list[str], metadatas: list[dict]) -> None:
+        for i in range(0, len(ids), 1000):
+            self.col.update(ids=ids[i : i + 1000], metadatas=metadatas[i : i + 1000])
+
     def delete(self, ids) -> None:
         if ids:
             self.col.delete(ids=list(ids))

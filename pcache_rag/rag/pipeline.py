@@ -82,6 +82,7 @@ class IngestReport:
     chunks_encoded: int = 0
     chunks_reused: int = 0  # states already in the store (resumed or shared)
     chunks_lazy: int = 0  # indexed without states (``encode="lazy"``): encoded on first use
+    lazy_filled: int = 0  # chunks indexed lazily earlier whose states this eager ingest made
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): not indexed
     notes: list[str] = field(default_factory=list)  # e.g. a file decoded from a detected encoding
     repaired: list[str] = field(default_factory=list)  # problems found and fixed
@@ -268,7 +269,8 @@ class CachedRAG:
         gone now are removed. One bad file never stops the run: it is listed in
         ``report.skipped`` with its reason. Before encoding, the states' size is projected and
         the ingest is refused (:class:`IngestTooLargeError`) if it exceeds the store's budget;
-        ``encode="lazy"`` indexes without states (encoded on first use). ``prune`` also removes
+        ``encode="lazy"`` indexes without states (encoded on first use); a later eager ingest of
+        the same paths encodes what is still missing (``report.lazy_filled``). ``prune`` also removes
         every indexed source that no longer exists; ``repair`` fixes what :meth:`verify` finds
         (stale or duplicate chunks, missing states, store rows without files).
         A lock on the index directory makes concurrent ingests take turns. ``on_progress(stage,
@@ -285,8 +287,10 @@ class CachedRAG:
         try:
             if self._index is None:
                 rep.rebuilt_from = self._rebuild_index()
-            self._ingest_locked(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode,
-                                on_progress)
+            roots = [Path(p).expanduser().absolute() for p in paths]
+            self._ingest_locked(files, roots, rep, progress, encode, on_progress)
+            if encode == "eager":
+                rep.lazy_filled = self._fill_lazy(roots, progress)
             if prune:
                 rep.pruned = self.prune()
             if repair:
@@ -419,6 +423,37 @@ class CachedRAG:
             if any(p == r or r in p.parents for r in roots) and not p.exists():
                 self._drop(ids, keys)
                 rep.removed += 1
+
+    def _fill_lazy(self, roots: list[Path], progress: bool) -> int:
+        """Encode the lazily indexed chunks under ``roots`` that have no states yet, and mark
+        every lazy chunk there as encoded; returns how many were encoded."""
+        lazy = [(cid, m) for cid, m in self.index.chunks()
+                if m.get("lazy") and any(Path(m["source"]) == r or r in Path(m["source"]).parents for r in roots)]
+        if not lazy:
+            return 0
+        got = self.index.col.get(ids=[cid for cid, _ in lazy], include=["documents", "metadatas"])
+        n = 0
+        it = zip(got["ids"], got["documents"], got["metadatas"])
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(it, total=len(got["ids"]), desc="encode lazy chunks", unit="chunk")
+        for _cid, doc, m in it:
+            if not self.pc.store.contains(m["kv_key"]):
+                self._encode(self.chunk_ids(doc, m["source"]), self.canonical_start, m["kv_key"])
+                n += 1
+        self.index.update_metadata(got["ids"], [{**m, "lazy": False} for m in got["metadatas"]])
+        return n
+
+    def state_stats(self) -> dict:
+        """How many chunks have states: ``chunks`` (and ``documents``) in the index, ``lazy``
+        indexed without states, ``hot`` lazy ones whose states were made on first use, ``cold``
+        the rest. Reads every chunk's metadata once."""
+        chunks = self.index.chunks()
+        lazy = [m["kv_key"] for _cid, m in chunks if m.get("lazy")]
+        hot = sum(self.pc.store.contains(k) for k in lazy)
+        return {"chunks": len(chunks), "documents": len({m["source"] for _cid, m in chunks}), "lazy": len(lazy),
+                "hot": hot, "cold": len(lazy) - hot}
 
     def _drop(self, ids, keys) -> None:
         """Remove chunks from chroma, then the states no other chunk uses."""

@@ -306,10 +306,10 @@ class AnswerService:
         tiers = {name: {k: t[k] for k in ("bytes", "entries", "hits", "misses", "evictions")}
                  for name, t in st["tiers"].items()}
         try:
-            chunks = self.rag.index.count()
-            documents = len(self.rag.index.sources())
+            states = self.rag.state_stats()
+            chunks, documents = states["chunks"], states["documents"]
         except Exception as e:  # noqa: BLE001 - a damaged index is reported, not fatal
-            chunks, documents = 0, 0
+            chunks, documents, states = 0, 0, {}
             log.warning("index statistics unavailable: %s", e)
         return {
             "model": self.model_id,
@@ -317,6 +317,7 @@ class AnswerService:
             "documents": documents,
             "bytes_per_token": pc.adapter.kv_shape.bytes_per_token(torch.empty(0, dtype=pc.store_dtype).element_size()),
             "tiers": tiers,
+            "states": states,  # lazily indexed chunks: hot (encoded on first use) and cold
             "encoded": st["encoded"],  # by this process: zero when another one encoded everything
             "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
             **self.counts,

@@ -60,7 +60,8 @@ function renderIngest(st) {
 function renderStatus(s) {
   $("model").textContent = `model: ${s.model}`;
   $("n-docs").textContent = s.documents;
-  $("n-chunks").textContent = s.chunks;
+  const st = s.states || {};
+  $("n-chunks").textContent = st.lazy ? `${s.chunks} (${st.hot} of ${st.lazy} lazy ones hot)` : `${s.chunks}`;
   $("bpt").textContent = `${human(s.bytes_per_token)} per token`;
   $("encoded").textContent = `${s.encoded.units} units, ${s.encoded.tokens} tokens`;
   $("queue").textContent = `${s.queue.waiting} waiting${s.queue.running ? ", 1 answering" : ""} (limit ${s.queue.limit})`;
