@@ -61,6 +61,14 @@ def server():
     srv.kill()
 
 
+def _docs(tmp_path: Path) -> Path:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    return docs
+
+
 def _engine(smol, kv_dir: Path, url: str):
     from pcache_rag import PromptCache
 
@@ -97,10 +105,7 @@ def _logits(rag, q: str) -> torch.Tensor:
 
 @pytest.mark.real_model
 def test_process_b_answers_from_what_a_encoded(server, smol, tmp_path):
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
+    docs = _docs(tmp_path)
     a = _machine(smol, tmp_path / "a", server.url)
     a.ingest([docs], progress=False)
     assert a.pc.store.remote.stats().puts == len(DOCS) + 1, "chunks and the preamble written through"
@@ -128,10 +133,7 @@ def test_process_b_answers_from_what_a_encoded(server, smol, tmp_path):
 
 @pytest.mark.real_model
 def test_killing_redis_mid_run_falls_back_to_local_tiers(server, smol, tmp_path, caplog):
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
+    docs = _docs(tmp_path)
     rag = _machine(smol, tmp_path / "a", server.url)
     rag.ingest([docs], progress=False)
     before = rag.answer(Q, max_new_tokens=16).text
@@ -235,10 +237,7 @@ def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_di
         _wait_http(f"http://127.0.0.1:{cport}/api/v2/heartbeat", chroma, 60)
         shared = ["--chroma-url", f"http://127.0.0.1:{cport}", "--kv-url", server.url, "--model", str(smol_dir)]
         cli = [sys.executable, "-m", "pcache_rag.cli"]
-        docs = tmp_path / "docs"
-        docs.mkdir()
-        for name, text in DOCS.items():
-            (docs / name).write_text(text)
+        docs = _docs(tmp_path)
         subprocess.run(cli + ["ingest", str(docs), "--index", str(tmp_path / "ingester"), "--chunk-tokens", "64",
                               *shared], check=True, capture_output=True)
         urls = []
