@@ -734,14 +734,11 @@ _STORE_DTYPES = {"int8": torch.int8, "float16": torch.float16, "fp16": torch.flo
 
 
 def _store_dtype(d) -> torch.dtype | None:
-    if d is None or isinstance(d, torch.dtype):
-        if d is not None and d not in _STORE_DTYPES.values():
-            raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d}")
-        return d
-    try:
-        return _STORE_DTYPES[str(d).lower()]
-    except KeyError:
-        raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d!r}") from None
+    """``None``, a torch dtype or its name, checked against the dtypes states can be stored in."""
+    got = d if d is None or isinstance(d, torch.dtype) else _STORE_DTYPES.get(str(d).lower())
+    if got is None and d is not None or got is not None and got not in _STORE_DTYPES.values():
+        raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d!r}")
+    return got
 
 
 def _gen_kwargs(kw: dict) -> dict:

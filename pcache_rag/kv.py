@@ -58,11 +58,11 @@ class ModuleKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def map(self, fn, uid: bool = True) -> "ModuleKV":
-        """The same unit with ``fn`` applied to every state tensor (a move, a pin)."""
+    def map(self, fn) -> "ModuleKV":
+        """The same unit (same ``uid``) with ``fn`` applied to every state tensor (a move, a pin)."""
         t = {k: fn(v) for k, v in self.tensors().items()}
-        return ModuleKV(t["keys"], t["values"], self.token_ids, self.position_ids,
-                        **({"uid": self.uid} if uid else {}), k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
+        return ModuleKV(t["keys"], t["values"], self.token_ids, self.position_ids, uid=self.uid,
+                        k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
 
     def with_positions(self, position_ids: torch.Tensor) -> "ModuleKV":
         """The same states at other position ids (for encodings whose states carry no position)."""

@@ -431,18 +431,25 @@ class CachedRAG:
                 if m.get("lazy") and any(Path(m["source"]) == r or r in Path(m["source"]).parents for r in roots)]
         if not lazy:
             return 0
-        got = self.index.col.get(ids=[cid for cid, _ in lazy], include=["documents", "metadatas"])
-        n = 0
-        it = zip(got["ids"], got["documents"], got["metadatas"])
+        ids = [cid for cid, _ in lazy]
+        n = self._encode_indexed(ids, progress, "encode lazy chunks")
+        self.index.update_metadata(ids, [{**m, "lazy": False} for _cid, m in lazy])
+        return n
+
+    def _encode_indexed(self, ids: list[str], progress: bool = False, desc: str = "encode") -> int:
+        """Encode, from the text chroma keeps, the chunks ``ids`` whose states the store lacks;
+        returns how many."""
+        got = self.index.col.get(ids=ids, include=["documents", "metadatas"])
+        it = zip(got["documents"], got["metadatas"])
         if progress:
             from tqdm.auto import tqdm
 
-            it = tqdm(it, total=len(got["ids"]), desc="encode lazy chunks", unit="chunk")
-        for _cid, doc, m in it:
+            it = tqdm(it, total=len(got["ids"]), desc=desc, unit="chunk")
+        n = 0
+        for doc, m in it:
             if not self.pc.store.contains(m["kv_key"]):
                 self._encode(self.chunk_ids(doc, m["source"]), self.canonical_start, m["kv_key"])
                 n += 1
-        self.index.update_metadata(got["ids"], [{**m, "lazy": False} for m in got["metadatas"]])
         return n
 
     def state_stats(self) -> dict:
@@ -531,10 +538,8 @@ class CachedRAG:
                 self._ingest_locked([Path(s) for s in again], [], IngestReport(), False, "eager")
                 fixed.append(f"re-ingested {len(again)} files that had no current version")
         if v.missing_states:
-            got = self.index.col.get(ids=v.missing_states, include=["documents", "metadatas"])
-            for doc, m in zip(got["documents"], got["metadatas"]):
-                self._encode(self.chunk_ids(doc, m["source"]), self.canonical_start, m["kv_key"])
-            fixed.append(f"encoded {len(got['ids'])} chunks whose states were missing")
+            n = self._encode_indexed(v.missing_states)
+            fixed.append(f"encoded {n} chunks whose states were missing")
         return fixed
 
     def _write_manifest(self) -> None:

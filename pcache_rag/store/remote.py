@@ -91,11 +91,6 @@ class RemoteTier(KVStore):
         scheme, sep, rest = self.url.partition("://")
         return f"{scheme}{sep}{rest.rsplit('@', 1)[-1]}"
 
-    @property
-    def available(self) -> bool:
-        """False while the server is counted down (until the next retry)."""
-        return not (self._down and time.monotonic() < self._down_until)
-
     # ------------------------------------------------------------------ entries
 
     def _k(self, key: str) -> str:
@@ -111,10 +106,7 @@ class RemoteTier(KVStore):
             self._stats.misses += 1
             return None
         try:
-            tag, n, size = head.decode().split()
-            n, size = int(n), int(size)
-            if tag != _HEADER or n < 1:
-                raise ValueError
+            n, size = _parse_head(head)
         except ValueError:
             return self._drop(key, f"unreadable header {head[:40]!r}")
         parts = self._call("get", lambda r: r.mget([f"{self._k(key)}:{i}" for i in range(n)]), None)
@@ -163,7 +155,10 @@ class RemoteTier(KVStore):
 
         def run(r):
             head = r.get(k)
-            n = int(head.split()[1]) if head and len(head.split()) == 3 and head.split()[1].isdigit() else 0
+            try:
+                n = _parse_head(head)[0] if head is not None else 0
+            except ValueError:  # a damaged header: its parts cannot be named
+                n = 0
             keys = [k, *(f"{k}:{i}" for i in range(n))]
             return r.delete(*keys) > 0
 
@@ -200,6 +195,14 @@ class RemoteTier(KVStore):
             self._r.close()
         except self._errors:  # pragma: no cover - closing a dead connection
             pass
+
+
+def _parse_head(head: bytes) -> tuple[int, int]:
+    """``(parts, bytes)`` from an entry's header; ``ValueError`` if it is not one."""
+    tag, n, size = head.decode().split()
+    if tag != _HEADER or int(n) < 1 or int(size) < 0:
+        raise ValueError(f"not a {_HEADER} header")
+    return int(n), int(size)
 
 
 def _batched(it, n: int):
