@@ -32,11 +32,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .kv import ModuleKV, Workspace
-from .models import adapter_for
+from .models import UnsupportedModelError, adapter_for
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
 from .pml.layout import PromptPlan, Unit, bos_ids
-from .recompute import Recompute, blend_rows, epic_rows, first_layers_keys, recompute_mask
+from .recompute import Recompute, blend_rows, epic_rows, first_layers_keys, focus_scores, recompute_mask
 from .tokens import safe_tokenizer
 
 log = logging.getLogger(__name__)
@@ -413,7 +413,7 @@ class PromptCache:
         t0 = time.perf_counter()
         n_args = sum(len(ids) for _, _, ids in args)
         q = n_args + len(uncached_ids)
-        rows = self._select(kvs, policy)
+        rows = self._select(kvs, policy, uncached_ids, uncached_positions)
         C, copied = self.workspace.assemble(kvs, extra=q + len(rows) + reserve)
         t1 = time.perf_counter()
 
@@ -492,8 +492,9 @@ class PromptCache:
             recomputed_tokens=nS,
         )
 
-    def _select(self, kvs: list[ModuleKV], policy: Recompute) -> list[int]:
-        """Cache rows to recompute under ``policy`` (only when several units are assembled)."""
+    def _select(self, kvs: list[ModuleKV], policy: Recompute, new_ids=(), new_pos=()) -> list[int]:
+        """Cache rows to recompute under ``policy`` (only when several units are assembled);
+        ``focus`` ranks them by the attention of ``new_ids`` at ``new_pos`` (the question)."""
         if policy.kind == "none" or len(kvs) < 2:
             return []
         lengths = [kv.length for kv in kvs]
@@ -501,6 +502,9 @@ class PromptCache:
             return list(range(sum(lengths)))
         if policy.kind == "epic":
             return epic_rows(lengths, policy.k)
+        if policy.kind == "focus":
+            return blend_rows(focus_scores(self._question_attention(kvs, list(new_ids), list(new_pos))),
+                              lengths, policy.ratio)
         # blend: score every context token by its key deviation at the check layer
         dev = self.adapter.device
         ids = torch.cat([kv.token_ids for kv in kvs]).to(dev)
@@ -509,6 +513,33 @@ class PromptCache:
         cached = torch.cat([kv.layer_keys(policy.check_layer, dev, fresh.dtype) for kv in kvs], dim=1)
         scores = (fresh - cached).pow(2).sum(dim=(0, 2))  # (C,)
         return blend_rows(scores, lengths, policy.ratio)
+
+    def _question_attention(self, kvs: list[ModuleKV], new_ids: list[int], new_pos: list[int]) -> torch.Tensor:
+        """Attention (C,) that ``new_ids`` give each assembled row, summed over layers and heads:
+        one forward of the new tokens over the cached states, whose rows are then dropped."""
+        from .models import attention
+
+        if self.adapter.family == "alibi":
+            raise UnsupportedModelError("recompute 'focus' reads attention through pcache_sdpa; ALiBi models "
+                                        "do not use it: choose 'epic' or 'blend'")
+        if not new_ids:
+            raise ValueError("recompute 'focus' ranks context by the new tokens' attention; this prompt has none")
+        dev = self.adapter.device
+        C, _ = self.workspace.assemble(kvs, extra=len(new_ids))
+        U = len(new_ids)
+        allowed = torch.ones(U, C + U, dtype=torch.bool)
+        allowed[:, C:] = torch.ones(U, U, dtype=torch.bool).tril_()
+        try:
+            with attention.AttentionProbe(C) as probe:
+                self.adapter.forward(torch.tensor(new_ids, device=dev), torch.tensor(new_pos, device=dev),
+                                     self.workspace.cache(), allowed.to(dev), None)
+        finally:
+            for layer in self.workspace.layers:
+                layer.set_length(C)
+        if probe.calls == 0 or probe.scores is None:
+            raise UnsupportedModelError(f"recompute 'focus': {type(self.model).__name__} does not run its "
+                                        "attention through pcache_sdpa; choose 'epic' or 'blend'")
+        return probe.scores
 
     # ------------------------------------------------------------------ parts (RAG)
 
@@ -558,6 +589,103 @@ class PromptCache:
         gen = _gen_kwargs(gen)
         policy = self._policy(recompute)
         return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy), **gen))
+
+    @torch.no_grad()
+    def generate_parts_batch(self, requests, max_new_tokens: int = 64, stop=None) -> list[GenerationOutput]:
+        """Greedy answers to several :meth:`generate_parts` requests, decoded together.
+
+        ``requests``: ``(parts, new_ids, preamble, recompute)`` tuples. Each prompt is prefilled
+        on its own, exactly as :meth:`generate_parts` does (its ``ttft_s`` is timed the same way:
+        from the start of its prefill to its first token). Then prompts of equal length decode
+        together, one forward per step for the group, which reads the weights once instead of
+        once per prompt: on a CPU, where decoding is bound by memory bandwidth, that is most of
+        its cost. Batched matrix products round differently from single ones, so a rare greedy
+        near-tie may resolve differently than in :meth:`generate_parts`. Each output's
+        ``total_s`` counts the shared decode. ALiBi models decode one prompt at a time.
+        """
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        reqs = [tuple(r) + (None,) * (4 - len(r)) for r in requests]
+        if self.adapter.family == "alibi":  # its bias needs key positions and a mask per step
+            return [self.generate_parts(p, ids, pre, rc, max_new_tokens=max_new_tokens, stop=stop)
+                    for p, ids, pre, rc in reqs]
+        stops = [s for s in (stop or []) if s]
+        firsts: list[dict] = []
+        with self._lock:
+            for parts, new_ids, preamble, rc in reqs:
+                t0 = time.perf_counter()
+                res = self._prefill_new(parts, new_ids, preamble, max_new_tokens, self._policy(rc))
+                tok = int(torch.argmax(res.logits))
+                ttft = time.perf_counter() - t0
+                T = self.workspace.layers[0].length
+                firsts.append({"res": res, "tok": tok, "ttft": ttft, "t0": t0, "T": T,
+                               "next_pos": int(res.position_ids.max()) + 1,
+                               "k": self.workspace.k[:, 0, :, :T].clone(),  # (L, H, T, D)
+                               "v": self.workspace.v[:, 0, :, :T].clone()})
+            # The workspace no longer holds what it says it holds.
+            self.workspace.invalidate()
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, f in enumerate(firsts):
+                groups.setdefault((f["T"], f["next_pos"]), []).append(i)
+            outs: list[GenerationOutput | None] = [None] * len(firsts)
+            for (T, next_pos), idx in groups.items():
+                for i, out in zip(idx, self._decode_group([firsts[i] for i in idx], T, next_pos, max_new_tokens, stops)):
+                    outs[i] = out
+        return outs  # type: ignore[return-value]
+
+    def _decode_group(self, firsts: list[dict], T: int, next_pos: int, max_new_tokens: int, stops):
+        """Greedy decoding of ``B`` prefilled prompts of length ``T`` in one batch."""
+        from .kv import BufferLayer
+
+        dev = self.adapter.device
+        B = len(firsts)
+        L, H, _, D = firsts[0]["k"].shape
+        Dv = firsts[0]["v"].shape[-1]
+        kb = torch.empty((L, B, H, T + max_new_tokens, D), dtype=self.adapter.dtype, device=dev)
+        vb = torch.empty((L, B, H, T + max_new_tokens, Dv), dtype=self.adapter.dtype, device=dev)
+        for b, f in enumerate(firsts):
+            kb[:, b, :, :T] = f.pop("k")
+            vb[:, b, :, :T] = f.pop("v")
+        layers = [BufferLayer(kb[i], vb[i]) for i in range(L)]  # (B, H, capacity, D) each
+        for layer in layers:
+            layer.set_length(T)
+        from transformers.cache_utils import Cache
+
+        cache = Cache(layers=layers)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        texts: list[str | None] = [None] * B  # set when a sequence stops on a stop string
+        finish = ["length"] * B
+        live = [True] * B
+        last = [f["tok"] for f in firsts]
+        for step in range(max_new_tokens):
+            for b in range(B):
+                if not live[b]:
+                    continue
+                if last[b] in self.eos_ids:
+                    finish[b], live[b] = "eos", False
+                    continue
+                tokens[b].append(last[b])
+                if stops:
+                    text = self.tokenizer.decode(tokens[b], skip_special_tokens=True)
+                    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                    if cut >= 0:
+                        texts[b], finish[b], live[b] = text[:cut], "stop", False
+            if not any(live) or step == max_new_tokens - 1:
+                break
+            ids = torch.tensor(last, dtype=torch.long, device=dev)
+            pos = torch.full((B,), next_pos + step, dtype=torch.long, device=dev)
+            last = torch.argmax(self.adapter.decode_step(ids, pos, cache), dim=-1).tolist()
+        end = time.perf_counter()
+        outs = []
+        for b, f in enumerate(firsts):
+            res = f["res"]
+            text = texts[b] if texts[b] is not None else self.tokenizer.decode(tokens[b], skip_special_tokens=True)
+            outs.append(GenerationOutput(
+                text=text, token_ids=tokens[b], ttft_s=f["ttft"], cached_tokens=res.cached_tokens,
+                computed_tokens=res.computed_tokens, total_s=end - f["t0"], finish_reason=finish[b],
+                recomputed_tokens=res.recomputed_tokens,
+            ))
+        return outs
 
     def text_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings

@@ -243,12 +243,14 @@ class _Synthetic:
             self.cache[key] = kv
         return kv
 
-    def answer(self, mode: str, q: Question, max_new_tokens: int):
-        pc = self.pcs["isolated" if mode == "isolated" else "preamble"]
+    def request(self, mode: str, q: Question) -> tuple:
+        """``(parts, new_ids, preamble, recompute)`` of ``q`` in ``mode``, for
+        :meth:`~pcache_rag.engine.PromptCache.generate_parts_batch`."""
+        pc = self.pcs["preamble"]
         if mode in ("full", "full-own-system"):
             pre = self.pre_ids if mode == "full" else self.own_ids
             ids = list(pre) + [i for d in q.docs for i in self.doc_ids(d)] + self.q_ids(q.question)
-            return pc.generate_parts([], ids, max_new_tokens=max_new_tokens, stop=["\n"])
+            return [], ids, None, None
         enc = "isolated" if mode == "isolated" else "preamble"
         own = mode == "own-system"  # another system prompt before documents encoded against SYSTEM
         parts = [("preamble", self.own_kv if own else self.pre_kv)]
@@ -258,8 +260,16 @@ class _Synthetic:
             parts.append((f"d{j}", kv))
             pos += kv.length
         recompute = "none" if mode in ("isolated", "preamble", "own-system") else mode
-        return pc.generate_parts(parts, self.q_ids(q.question), preamble="preamble", recompute=recompute,
-                                 max_new_tokens=max_new_tokens, stop=["\n"])
+        return parts, self.q_ids(q.question), "preamble", recompute
+
+    def answers(self, modes, q: Question, max_new_tokens: int) -> list:
+        """One output per mode; the prompts are prefilled one by one and decoded together."""
+        for mode in modes:  # encode missing documents first: encoding is not part of any TTFT
+            if mode not in ("full", "full-own-system"):
+                for d in q.docs:
+                    self._doc_kv("isolated" if mode == "isolated" else "preamble", d)
+        reqs = [self.request(m, q) for m in modes]
+        return self.pcs["preamble"].generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
 
 
 def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int):
@@ -286,6 +296,31 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
         rag.ingest([corpus], progress=False)
         rags[enc] = rag
     return qs, rags
+
+
+def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
+    """Every mode's answer to ``q`` through the CachedRAG indexes: their retrieval, their stored
+    states and their prompt layout, decoded together on one engine. A cached mode's TTFT
+    includes fetching its states (as :meth:`CachedRAG.answer` counts it)."""
+    handles = {"preamble": rags["preamble"].retrieve(q.question)}
+    if "isolated" in modes:
+        handles["isolated"] = rags["isolated"].retrieve(q.question)
+    reqs, fetch = [], []
+    for mode in modes:
+        enc = "isolated" if mode == "isolated" else "preamble"
+        rag, hs = rags[enc], handles[enc]
+        gen = {"max_new_tokens": max_new_tokens}
+        q_ids = rag._fit_question(q.question, hs, gen)
+        if mode == "full":
+            reqs.append(([], rag.full_prompt_ids(q.question, hs), None, None))
+            fetch.append(0.0)
+            continue
+        t0 = time.perf_counter()
+        parts = rag._parts(hs)
+        fetch.append(time.perf_counter() - t0)
+        reqs.append((parts, q_ids, "preamble", "none" if mode in ("isolated", "preamble") else mode))
+    outs = rags["preamble"].pc.generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
+    return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
 
 
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
@@ -323,21 +358,12 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
-            handles = rags["preamble"].retrieve(q.question) if set_name == "rag" else None
-            for mode in modes:
-                if set_name == "rag":
-                    rag = rags["isolated" if mode == "isolated" else "preamble"]
-                    hs = handles if mode != "isolated" else rag.retrieve(q.question)
-                    if mode == "full":
-                        a = rag.answer_full_prefill(q.question, handles=hs, max_new_tokens=max_new_tokens, stop=["\n"])
-                    else:
-                        rc = "none" if mode in ("isolated", "preamble") else mode
-                        a = rag.answer(q.question, handles=hs, recompute=rc, max_new_tokens=max_new_tokens,
-                                       stop=["\n"])
-                    out, ttft = a.output, a.ttft_s
-                else:
-                    out = syn.answer(mode, q, max_new_tokens)
-                    ttft = out.ttft_s
+            if set_name == "rag":
+                outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens)
+            else:
+                outs = syn.answers(modes, q, max_new_tokens)
+                ttfts = [o.ttft_s for o in outs]
+            for mode, out, ttft in zip(modes, outs, ttfts):
                 r = res[mode]
                 r.answers.append(out.text.strip())
                 r.correct.append(contains(out.text, q.answer))

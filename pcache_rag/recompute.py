@@ -14,6 +14,13 @@ on top of the cached states recovers much of the lost quality:
   are used only to choose: the chosen tokens are recomputed through every layer
   by the same exact forward as ``epic``, and the other tokens keep their cached
   states in every layer, so one definition of "recomputed" holds for all modes.
+* ``focus:R``: the question's neighbourhood. The new tokens (the question) are
+  run once over the cached states; context tokens are ranked by the attention
+  the question gives them, summed over layers and heads, and each keeps the
+  best score within ``FOCUS_WINDOW`` tokens of it, so that the words around a
+  match (where an answer sits) come along. The top ``R`` fraction is then
+  recomputed by the same exact forward. RoPE and learned-position models whose
+  attention runs through ``pcache_sdpa``; ALiBi is refused.
 * ``all``: every context token (a correctness anchor: it equals a full causal
   prefill of the same tokens and positions).
 
@@ -35,13 +42,15 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("none", "epic", "blend", "all")
+KINDS = ("none", "epic", "blend", "focus", "all")
+#: ``focus``: a token's score is the best within this many tokens either side
+FOCUS_WINDOW = 4
 
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """A recompute policy; build one with :meth:`parse` (``"none"``, ``"epic:16"``,
-    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"all"``)."""
+    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"all"``)."""
 
     kind: str = "none"
     k: int = 0  # epic: tokens per unit
@@ -70,11 +79,16 @@ class Recompute:
                 if not 0.0 < ratio <= 1.0:
                     raise ValueError
                 return cls("blend", ratio=ratio, check_layer=int(layer) if layer else 1)
+            if name == "focus" and arg:
+                ratio = float(arg)
+                if not 0.0 < ratio <= 1.0:
+                    raise ValueError
+                return cls("focus", ratio=ratio)
         except ValueError:
             pass
         raise ValueError(
-            f"recompute must be 'none', 'all', 'epic:K' (K >= 1), or 'blend:R' / 'blend:R@LAYER' "
-            f"(0 < R <= 1), not {spec!r}"
+            f"recompute must be 'none', 'all', 'epic:K' (K >= 1), 'blend:R' / 'blend:R@LAYER' or "
+            f"'focus:R' (0 < R <= 1), not {spec!r}"
         )
 
     def __str__(self) -> str:
@@ -82,6 +96,8 @@ class Recompute:
             return f"epic:{self.k}"
         if self.kind == "blend":
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
+        if self.kind == "focus":
+            return f"focus:{self.ratio:g}"
         return self.kind
 
 
@@ -104,6 +120,11 @@ def blend_rows(scores: torch.Tensor, lengths: list[int], ratio: float) -> list[i
         return []
     top = torch.topk(cand.float(), n).indices + first
     return sorted(top.tolist())
+
+
+def focus_scores(attention: torch.Tensor, window: int = FOCUS_WINDOW) -> torch.Tensor:
+    """Each row's score (C,) is the best attention (C,) within ``window`` rows either side."""
+    return torch.nn.functional.max_pool1d(attention[None, None].float(), 2 * window + 1, 1, window)[0, 0]
 
 
 def recompute_mask(base: torch.Tensor, C: int, rows: torch.Tensor) -> torch.Tensor:

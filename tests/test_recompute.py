@@ -16,7 +16,8 @@ from transformers.cache_utils import DynamicCache
 
 from helpers import tiny_model
 from pcache_rag import PromptCache
-from pcache_rag.recompute import Recompute, epic_rows, recompute_mask
+from pcache_rag.models import UnsupportedModelError
+from pcache_rag.recompute import Recompute, epic_rows, focus_scores, recompute_mask
 
 FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"]
 TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
@@ -106,11 +107,17 @@ def test_none_is_the_cached_path_unchanged(pc):
     assert (ref - none.logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0"])
+@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0", "focus:0.3"])
 def test_selected_set_equals_the_masked_reference(pc, spec):
     parts, new = _parts(pc)
     policy = Recompute.parse(spec)
-    rows = pc._select([kv for _, kv in parts], policy)
+    kvs = [kv for _, kv in parts]
+    new_pos = list(range(sum(kv.length for kv in kvs), sum(kv.length for kv in kvs) + len(new)))
+    if policy.kind == "focus" and pc.adapter.family == "alibi":
+        with pytest.raises(UnsupportedModelError, match="focus"):
+            pc.prefill_parts(parts, new, recompute=spec)
+        return
+    rows = pc._select(kvs, policy, new, new_pos)
     if policy.kind == "epic":
         assert rows == epic_rows([kv.length for _, kv in parts], policy.k)
     first = parts[0][1].length
@@ -167,7 +174,54 @@ def test_mask_redirects_selected_columns_to_their_fresh_rows():
 
 
 def test_bad_policies_are_refused():
-    for bad in ["epic", "epic:0", "blend:0", "blend:1.5", "sometimes", "all:3"]:
+    for bad in ["epic", "epic:0", "blend:0", "blend:1.5", "focus", "focus:0", "focus:2", "sometimes", "all:3"]:
         with pytest.raises(ValueError, match="recompute must be"):
             Recompute.parse(bad)
     assert str(Recompute.parse("blend:0.15@3")) == "blend:0.15@3" and str(Recompute.parse(" EPIC:8 ")) == "epic:8"
+    assert str(Recompute.parse("focus:0.1")) == "focus:0.1"
+
+
+def test_focus_ranks_by_the_questions_attention(smol_tok):
+    """``focus`` scores equal the attention the question gives each context row in an eager
+    forward (summed over layers and heads), and the window carries a peak to its neighbours."""
+    model = sharp_model("llama", len(smol_tok), seed=3)
+    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
+    parts, new = _parts(pc)
+    kvs = [kv for _, kv in parts]
+    C = sum(kv.length for kv in kvs)
+    got = pc._question_attention(kvs, new, list(range(C, C + len(new))))
+    # reference: eager attention weights over a past of the same cached rows
+    K = torch.cat([kv.keys for kv in kvs], dim=2)
+    V = torch.cat([kv.values for kv in kvs], dim=2)
+    cache = DynamicCache([(K[i][None], V[i][None]) for i in range(K.shape[0])])
+    ref_model = copy.deepcopy(model)
+    ref_model.set_attn_implementation("eager")
+    allowed = torch.ones(len(new), C + len(new), dtype=torch.bool)
+    allowed[:, C:] = torch.ones(len(new), len(new), dtype=torch.bool).tril()
+    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = ref_model(input_ids=torch.tensor(new)[None], position_ids=torch.arange(C, C + len(new))[None],
+                        attention_mask=mask, past_key_values=cache, output_attentions=True)
+    ref = sum(a[0, :, :, :C].sum(dim=(0, 1)) for a in out.attentions)
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+    spike = torch.zeros(20)
+    spike[10] = 1.0
+    assert focus_scores(spike, window=2).nonzero().flatten().tolist() == [8, 9, 10, 11, 12]
+
+
+def test_batched_decoding_equals_one_at_a_time(smol_tok):
+    """``generate_parts_batch``: the same tokens, text and counts as ``generate_parts`` for
+    each request (several policies, plus a full prefill of another length)."""
+    model = sharp_model("llama", len(smol_tok), seed=5)
+    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
+    parts, new = _parts(pc)
+    full = [i for _, kv in parts for i in kv.token_ids.tolist()] + new
+    reqs = [(parts, new, None, rc) for rc in ("none", "epic:2", "focus:0.3", "all")] + [([], full[3:], None, None)]
+    batch = pc.generate_parts_batch(reqs, max_new_tokens=6)
+    for (p, ids, _, rc), got in zip(reqs, batch):
+        one = pc.generate_parts(p, ids, recompute=rc, max_new_tokens=6)
+        assert got.token_ids == one.token_ids and got.text == one.text, rc
+        assert (got.cached_tokens, got.computed_tokens, got.recomputed_tokens) == (
+            one.cached_tokens, one.computed_tokens, one.recomputed_tokens)
+        assert got.finish_reason == one.finish_reason and 0 < got.ttft_s <= got.total_s
+    assert len({tuple(b.token_ids) for b in batch}) > 1, "the prompts must not all agree, or the check is weak"

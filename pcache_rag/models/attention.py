@@ -30,6 +30,8 @@ def pcache_sdpa(
     B, H, q, D = query.shape
     Hkv, kv = key.shape[1], key.shape[2]
     G = H // Hkv
+    if _PROBE is not None:
+        _PROBE.add(query, key, attention_mask, scaling)
     if attention_mask is None:
         if q > 1 and q != kv:
             raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys needs an explicit mask")
@@ -44,5 +46,39 @@ def pcache_sdpa(
     out = out.reshape(B, H, q, -1)  # (B, H, q, Dv)
     return out.transpose(1, 2).contiguous(), None  # (B, q, H, Dv)
 
+
+class AttentionProbe:
+    """How much attention the query rows of a forward give to each of the first ``C`` keys,
+    summed over layers, heads and query rows: ``scores`` (C,). Used as a context manager
+    around one forward (``recompute="focus:R"``); counts the layers it saw in ``calls``."""
+
+    def __init__(self, C: int):
+        self.C = C
+        self.scores: torch.Tensor | None = None
+        self.calls = 0
+
+    def add(self, query, key, mask, scaling) -> None:
+        B, H, q, D = query.shape
+        Hkv = key.shape[1]
+        G = H // Hkv
+        qq = query.float().reshape(B, Hkv, G * q, D)  # rows ordered (group member, token)
+        logits = qq @ key.float().transpose(-1, -2) * (scaling if scaling is not None else D**-0.5)
+        if mask is not None:  # (B, 1, q, kv) bool, True = attend
+            logits = logits.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
+        w = torch.softmax(logits, dim=-1)[..., : self.C].sum(dim=(0, 1, 2))  # (C,)
+        self.scores = w if self.scores is None else self.scores + w
+        self.calls += 1
+
+    def __enter__(self) -> "AttentionProbe":
+        global _PROBE
+        _PROBE = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _PROBE
+        _PROBE = None
+
+
+_PROBE: AttentionProbe | None = None
 
 AttentionInterface.register(NAME, pcache_sdpa)

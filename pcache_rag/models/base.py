@@ -116,6 +116,20 @@ class Adapter:
         )
         return out.logits[0]
 
+    def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One token for each of ``B`` sequences: ``input_ids``/``position_ids`` (B,), ``cache``
+        holding ``B`` rows of equal length. Returns next-token logits (B, vocab). Not for ALiBi,
+        whose bias comes with an explicit mask."""
+        out = self.model(
+            input_ids=input_ids[:, None],
+            position_ids=position_ids[:, None],
+            attention_mask=None,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
 
 def _has_sliding_window(config) -> bool:
     types = getattr(config, "layer_types", None)
