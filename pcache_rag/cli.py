@@ -59,6 +59,13 @@ def cmd_bench(a) -> int:
         if a.json:
             print(json.dumps({"benchmark": "quality", **row}, indent=2))
         return 0
+    if a.what == "all":
+        from .benchall import run_all
+
+        raw = run_all(a.model, quick=a.quick, device=a.device, out=a.out, kv_url=a.kv_url, log=log)
+        if a.json:
+            print(json.dumps(raw, indent=1, default=str))
+        return 0
     if a.what == "rag":
         from .bench import bench_rag
 
@@ -260,14 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cache-dir", default=None, help="keep module states on disk here (warm restarts)")
     r.set_defaults(fn=cmd_run)
 
-    b = sub.add_parser("bench", help="benchmarks: ttft (prompt lengths), store (tiers), rag (end to end), quality (accuracy)")
-    b.add_argument("what", choices=("ttft", "store", "rag", "quality"))
+    b = sub.add_parser("bench", help="benchmarks: all (the report: docs/benchmarks.md with plots), ttft (prompt "
+                       "lengths), store (tiers), rag (end to end), quality (accuracy)")
+    b.add_argument("what", choices=("all", "ttft", "store", "rag", "quality"))
+    b.add_argument("--quick", action="store_true", help="all: tiny sizes that check the harness in a few minutes")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="all: where the model runs")
+    b.add_argument("--out", default="docs", help="all: where benchmarks.md, its plots and JSON go")
     b.add_argument("--k", type=_positive, default=4, help="rag: chunks per question")
     b.add_argument("--plain-distractors", action="store_true",
                    help="quality: distractor documents state no competing facts")
     b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
     b.add_argument("--dir", default=None, help="store/rag: working directory (default: a temporary one)")
-    b.add_argument("--kv-url", default=None, metavar="URL", help="store: also time the Redis tier at this URL")
+    b.add_argument("--kv-url", default=None, metavar="URL", help="store/all: also time the Redis tier at this URL")
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)

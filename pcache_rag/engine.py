@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
-from .kv import ModuleKV, Workspace
+from .kv import BufferLayer, ModuleKV, Workspace
 from .models import UnsupportedModelError, adapter_for
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
@@ -635,8 +635,6 @@ class PromptCache:
 
     def _decode_group(self, firsts: list[dict], T: int, next_pos: int, max_new_tokens: int, stops):
         """Greedy decoding of ``B`` prefilled prompts of length ``T`` in one batch."""
-        from .kv import BufferLayer
-
         dev = self.adapter.device
         B = len(firsts)
         L, H, _, D = firsts[0]["k"].shape
@@ -649,8 +647,6 @@ class PromptCache:
         layers = [BufferLayer(kb[i], vb[i]) for i in range(L)]  # (B, H, capacity, D) each
         for layer in layers:
             layer.set_length(T)
-        from transformers.cache_utils import Cache
-
         cache = Cache(layers=layers)
         tokens: list[list[int]] = [[] for _ in range(B)]
         texts: list[str | None] = [None] * B  # set when a sequence stops on a stop string
@@ -667,7 +663,7 @@ class PromptCache:
                 tokens[b].append(last[b])
                 if stops:
                     text = self.tokenizer.decode(tokens[b], skip_special_tokens=True)
-                    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                    cut = _first_stop(text, stops)
                     if cut >= 0:
                         texts[b], finish[b], live[b] = text[:cut], "stop", False
             if not any(live) or step == max_new_tokens - 1:
@@ -772,7 +768,7 @@ class PromptCache:
                 break
             tokens.append(tok)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            cut = _first_stop(text, stops)
             if cut >= 0:
                 if cut > len(emitted):
                     yield text[len(emitted) : cut]
@@ -875,6 +871,11 @@ def _gen_kwargs(kw: dict) -> dict:
     if bad:
         raise TypeError(f"unexpected arguments: {', '.join(sorted(bad))}")
     return kw
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    """Where the first of ``stops`` begins in ``text``, or -1."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -219,6 +219,7 @@ def _wait_http(url: str, proc, timeout: float = 120) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.slow  # three processes and a chroma server: about a minute; `make test-slow`
 @pytest.mark.real_model
 def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_dir, tmp_path):
     """The README's several-machines deployment on one host: `chroma run` for the index, Redis

@@ -293,6 +293,7 @@ def _ask_timed(url: str, q: str) -> tuple[str, float, int, float]:
     return "".join(parts), ttft, tokens, time.perf_counter() - t0
 
 
+@pytest.mark.slow  # about a minute: 32 answers; `make test-slow`
 def test_sixteen_concurrent_questions_match_one_at_a_time(served):
     srv, service, _rag = served
     qs = (QUESTIONS * 2)[:16]

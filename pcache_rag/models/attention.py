@@ -10,6 +10,8 @@ and a square query it is plain causal attention (what full prefill uses).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -30,8 +32,9 @@ def pcache_sdpa(
     B, H, q, D = query.shape
     Hkv, kv = key.shape[1], key.shape[2]
     G = H // Hkv
-    if _PROBE is not None:
-        _PROBE.add(query, key, attention_mask, scaling)
+    probe = getattr(_probing, "probe", None)
+    if probe is not None:
+        probe.add(query, key, attention_mask, scaling)
     if attention_mask is None:
         if q > 1 and q != kv:
             raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys needs an explicit mask")
@@ -70,15 +73,14 @@ class AttentionProbe:
         self.calls += 1
 
     def __enter__(self) -> "AttentionProbe":
-        global _PROBE
-        _PROBE = self
+        _probing.probe = self
         return self
 
     def __exit__(self, *exc) -> None:
-        global _PROBE
-        _PROBE = None
+        _probing.probe = None
 
 
-_PROBE: AttentionProbe | None = None
+#: the probe of this thread's forward, if any (another thread's forwards are not probed)
+_probing = threading.local()
 
 AttentionInterface.register(NAME, pcache_sdpa)

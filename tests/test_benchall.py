@@ -1,0 +1,40 @@
+"""`pcache-rag bench all --quick`: every figure of the report gets its table and its PNG, and
+every number in them is finite and non-negative, with times, throughputs and speed-ups above zero."""
+
+import json
+import math
+
+from pcache_rag.cli import main
+
+FIGURES = ("length", "fraction", "size", "encoding", "ingest", "scaffold", "memory")
+
+
+def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
+    out = tmp_path / "docs"
+    assert main(["bench", "all", "--quick", "--model", str(smol_dir), "--out", str(out), "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert tuple(raw["figures"]) == FIGURES
+    md = (out / "benchmarks.md").read_text()
+    assert raw["machine"]["cores"] >= 1 and raw["machine"]["cpu"] in md
+    for key, fig in raw["figures"].items():
+        assert fig["rows"], key
+        png = out / fig["png"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", key
+        assert f"## {fig['title']}" in md and f"]({fig['png']})" in md
+        for row in fig["rows"]:
+            assert len(row) == len(fig["columns"]), key
+            for col, v in zip(fig["columns"], row):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    continue
+                assert math.isfinite(v) and v >= 0, (key, col, v)
+                if col.endswith(("ms", "/s", "speed-up", "seconds")) or "bytes" in col or col.startswith("vs "):
+                    assert v > 0, (key, col, v)
+    length = raw["figures"]["length"]
+    cols = length["columns"]
+    for row in length["rows"]:
+        r = dict(zip(cols, row))
+        assert r["floor ms"] < r["full prefill ms"] and r["host fp16 ms"] < r["full prefill ms"], r
+    frac = raw["figures"]["fraction"]["rows"]
+    assert frac[0][0] == 0.0 and frac[-1][0] == 1.0 and frac[-1][3] < frac[0][3], "caching all must beat none"
+    sc = {r[0]: r for r in raw["figures"]["scaffold"]["rows"]}
+    assert set(sc) == {"full prefill", "separate modules", "scaffold"} and sc["scaffold"][2] == 2
