@@ -244,8 +244,8 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
                             "encode_s": enc_s, "full_repeats": full_rep})
         log(f"[length] {n} tokens: full {full * 1e3:.0f} ms, host fp16 {cached * 1e3:.0f} ms "
             f"(x{full / cached:.1f}), floor {floor * 1e3:.0f} ms, break-even after {breakeven} reuses")
-    fig.notes.append(f"Cached prompts are ~512-token modules plus a {QUESTION_TOKENS}-token question. Medians of "
-                     f"{sz.repeats} runs (full prefill: 1 run at 4K tokens and more). Encode: encoding the "
+    fig.notes.append(f"Cached prompts are ~512-token modules plus a {QUESTION_TOKENS}-token question. Each time is "
+                     f"the median of {sz.repeats} run(s) (full prefill: 1 run at 4K tokens and more). Encode: encoding the "
                      "modules once and storing them (host fp16); break-even: the reuses after which encoding once "
                      "and answering from the cache costs less than full prefill every time "
                      "(encode / (full - cached), rounded up).")
@@ -277,7 +277,7 @@ def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
     ctx = _context_ids(tok, N - QUESTION_TOKENS)
     q = _context_ids(tok, QUESTION_TOKENS, seed=7)
     fig = Figure("fraction", f"Time to first token against the cached share of a {N}-token prompt",
-                 ["cached share", "cached tokens", "computed tokens", "TTFT ms", "speed-up vs 0% cached"])
+                 ["cached share (%)", "cached tokens", "computed tokens", "TTFT ms", "speed-up vs 0% cached"])
     base = None
     for f in sz.fractions:
         c = int(round(f * len(ctx)))
@@ -291,7 +291,7 @@ def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
 
         t = _median(run, sz.repeats)
         base = t if base is None else base
-        fig.rows.append([f, c, len(new), t * 1e3, base / t])
+        fig.rows.append([f * 100, c, len(new), t * 1e3, base / t])
         log(f"[fraction] {f:.0%} cached: {t * 1e3:.0f} ms (x{base / t:.1f})")
     fig.notes.append("The cached share is a prefix of modules; the rest of the context and the question are "
                      "computed, attending to everything before them. 0% is a full prefill.")
@@ -510,7 +510,7 @@ def _plot(fig: Figure, out: Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("time to first token (ms)")
     elif fig.key == "fraction":
-        ax.plot([r[0] * 100 for r in fig.rows], [r[3] for r in fig.rows], marker="o")
+        ax.plot([r[0] for r in fig.rows], [r[3] for r in fig.rows], marker="o")
         ax.set_yscale("log")
         ax.set_xlabel("cached share of the prompt (%)")
         ax.set_ylabel("time to first token (ms)")
