@@ -349,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--model", default=None)
     e.add_argument("--out", default="docs", help="where quality.md and quality.png go ('' for nowhere)")
-    e.add_argument("--checkpoint", default=None, help="write the running summary (JSON) here as it goes")
+    e.add_argument("--checkpoint", default=None,
+                   help="keep every answered question here (JSON) as it goes; a run with the same settings resumes "
+                        "from it, skipping what it holds")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 

@@ -342,12 +342,19 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
     t_start = time.perf_counter()
+    config = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
+              "modes": list(modes), "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
+    results: dict[str, dict[str, ModeResult]] = {}
+    if checkpoint and Path(checkpoint).exists():
+        results = _resume(Path(checkpoint), config, log)
     data = build_sets(tok, n, doc_tokens, k, seed)
     syn = _Synthetic(model, tok)
-    results: dict[str, dict[str, ModeResult]] = {}
     tmp = None
     for set_name in sets:
-        res = results[set_name] = {m: ModeResult() for m in modes}
+        res = results.setdefault(set_name, {m: ModeResult() for m in modes})
+        done = len(res[modes[0]].correct)
+        if done >= n:
+            continue
         if set_name == "rag":
             if workdir is None:
                 tmp = tempfile.TemporaryDirectory(prefix="pcache-eval-")
@@ -358,6 +365,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
+            if qi < done:  # answered before this run (resumed from the checkpoint)
+                continue
             if set_name == "rag":
                 outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens)
             else:
@@ -377,20 +386,48 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 log(f"[{set_name}] {qi + 1}/{len(qs)} questions, {time.perf_counter() - t_start:.0f}s: " +
                     " ".join(f"{m}={c}" for m, c in acc.items()))
                 if checkpoint:
-                    Path(checkpoint).write_text(json.dumps(summarize(results, modes), indent=1))
+                    _save(Path(checkpoint), config, results)
         syn.cache.clear()  # documents are not shared across sets: free their states
         if set_name == "rag":
             for rag in rags.values():
                 rag.close()
-    summary = summarize(results, modes)
-    summary["config"] = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens,
-                         "seed": seed, "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
-                         "seconds": round(time.perf_counter() - t_start, 1)}
+    summary = summarize({s: results[s] for s in sets if s in results}, modes)
+    summary["config"] = {**config, "seconds": round(time.perf_counter() - t_start, 1)}
+    if checkpoint:
+        summary["config"]["resumed_from"] = str(checkpoint)
     if out_dir is not None:
         write_report(summary, Path(out_dir))
     if tmp is not None:
         tmp.cleanup()
     return summary
+
+
+def _save(path: Path, config: dict, results: dict[str, dict[str, ModeResult]]) -> None:
+    """The checkpoint: the config and every answered question's record, written atomically."""
+    from dataclasses import asdict
+
+    body = {"config": config, "records": {s: {m: asdict(r) for m, r in res.items()} for s, res in results.items()}}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(body))
+    tmp.replace(path)
+
+
+def _resume(path: Path, config: dict, log) -> dict[str, dict[str, ModeResult]]:
+    """The records of a checkpoint written by a run with the same ``config``; refuses another."""
+    try:
+        body = json.loads(path.read_text())
+        old = body["config"]
+        records = body["records"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not an eval checkpoint ({e}); move it away to start afresh") from None
+    if old != config:
+        diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+        raise ValueError(f"{path} was written by a run with other settings ({', '.join(diff)}); "
+                         "use the same settings to resume, or another checkpoint path")
+    out = {s: {m: ModeResult(**r) for m, r in res.items()} for s, res in records.items()}
+    log("resuming from " + str(path) + ": " + ", ".join(f"{s} {len(next(iter(res.values())).correct)} answered"
+                                                        for s, res in out.items() if res))
+    return out
 
 
 def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:

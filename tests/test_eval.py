@@ -44,3 +44,30 @@ def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
         assert 0 < rows["epic:8"]["recomputed_fraction"] < rows["epic:32"]["recomputed_fraction"] < 1
     assert (out / "quality.md").read_text().count("| mode |") == 4
     assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_resumes_and_refuses_other_settings(smol_dir, tmp_path):
+    """A run cut short resumes from its checkpoint: only the missing questions are answered,
+    and the result equals an uninterrupted run's. Other settings are refused by name."""
+    import pytest
+
+    from pcache_rag.evalq import run_eval
+
+    ck = tmp_path / "ck.json"
+    kw = dict(model_path=smol_dir, n=2, doc_tokens=48, max_new_tokens=4, modes=("full", "preamble", "epic:2"),
+              sets=("plain",), out_dir=None, log=lambda *a: None)
+    whole = run_eval(checkpoint=ck, **kw)
+    body = json.loads(ck.read_text())
+    for r in body["records"]["plain"].values():  # cut the run short after its first question
+        for field in r:
+            r[field] = r[field][:1]
+    ck.write_text(json.dumps(body))
+    lines = []
+    resumed = run_eval(checkpoint=ck, **{**kw, "log": lines.append})
+    assert any("plain 1 answered" in line for line in lines)
+    for m in kw["modes"]:
+        a, b = whole["sets"]["plain"][m], resumed["sets"]["plain"][m]
+        assert (a["n"], a["correct"], a["f1"]) == (b["n"], b["correct"], b["f1"]), m
+    assert len(json.loads(ck.read_text())["records"]["plain"]["full"]["answers"]) == 2
+    with pytest.raises(ValueError, match="modes"):
+        run_eval(checkpoint=ck, **{**kw, "modes": ("full", "preamble")})
