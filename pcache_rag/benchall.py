@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import _median
+
 QUESTION_TOKENS = 32
 
 
@@ -83,15 +85,6 @@ SHAPES = {
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _median(fn, repeats: int) -> float:
-    xs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t)
-    return statistics.median(xs)
 
 
 def _sync(device) -> None:
@@ -259,6 +252,7 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
 
 
 def _median_with(fn, before, repeats: int) -> float:
+    """The median time of ``fn`` over ``repeats`` runs, each after an untimed ``before``."""
     xs = []
     for _ in range(repeats):
         before()
