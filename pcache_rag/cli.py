@@ -232,7 +232,7 @@ def cmd_eval(a) -> int:
     n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log,
-                       checkpoint=a.checkpoint)
+                       checkpoint=a.checkpoint, workdir=a.workdir)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
         for m, r in rows.items():
@@ -347,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--modes", nargs="+", default=None, help="full isolated preamble epic:K blend:R ...")
     e.add_argument("--sets", nargs="+", default=None, choices=("plain", "competing", "cross", "rag"))
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--workdir", default=None,
+                   help="keep the 'rag' set's corpus and indexes here (default: a temporary folder); a resumed run "
+                        "reuses them")
     e.add_argument("--model", default=None)
     e.add_argument("--out", default="docs", help="where quality.md and quality.png go ('' for nowhere)")
     e.add_argument("--checkpoint", default=None,
