@@ -454,8 +454,9 @@ def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
     return out
 
 
-def write_report(summary: dict, out_dir: Path) -> tuple[Path, Path | None]:
-    """``docs/quality.md`` (a table per set) and ``docs/quality.png`` (accuracy vs speed-up)."""
+def write_report(summary: dict, out_dir: Path, notes: list[str] = ()) -> tuple[Path, Path | None]:
+    """``docs/quality.md`` (a table per set, after the paragraphs in ``notes``) and
+    ``docs/quality.png`` (accuracy vs speed-up)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = summary.get("config", {})
     lines = ["# Answer quality: cached vs full prefill, with selective recomputation", "",
@@ -466,8 +467,10 @@ def write_report(summary: dict, out_dir: Path) -> tuple[Path, Path | None]:
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
              "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run. "
              "Each question's prompts are prefilled one by one (that is what TTFT times) and then decoded together "
-             "in one batch (`PromptCache.generate_parts_batch`), which rounds differently from decoding alone, so "
-             "a greedy near-tie can resolve either way.", ""]
+             "in one batch (`PromptCache.generate_parts_batch`), which can round differently from decoding alone "
+             "(spot checks gave the same answers).", ""]
+    for note in notes:
+        lines += [note, ""]
     for set_name, rows in summary["sets"].items():
         lines += [f"## {set_name}", "",
                   "| mode | accuracy | 95% CI | token F1 | agreement | recomputed | median TTFT | speed-up | prompt tokens |",
