@@ -502,6 +502,13 @@ class PromptCache:
             return list(range(sum(lengths)))
         if policy.kind == "epic":
             return epic_rows(lengths, policy.k)
+        if policy.kind == "rows":
+            C = sum(lengths)
+            bad = [r for r in policy.rows if not lengths[0] <= r < C]
+            if bad:
+                raise ValueError(f"recompute rows {bad[:5]} are outside the rows after the first unit "
+                                 f"({lengths[0]}..{C - 1}) of this prompt")
+            return list(policy.rows)
         if policy.kind == "focus":
             return blend_rows(focus_scores(self._question_attention(kvs, list(new_ids), list(new_pos))),
                               lengths, policy.ratio)

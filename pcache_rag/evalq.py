@@ -15,6 +15,14 @@ preamble encoding). Metrics: answer-contained accuracy with a 95% Wilson interva
 agreement with the baseline's greedy answer, the fraction of context tokens recomputed, and
 the median time-to-first-token with its ratio to full prefill. Output: a Markdown table and a
 PNG plot (accuracy against speed-up) under ``docs/``.
+
+Diagnostic modes (synthetic sets only) tell where the cached path loses answers. Each
+recomputes, on the preamble encoding, rows chosen with knowledge of the answer:
+
+* ``oracle:fact``: the planted fact sentences the answer needs, ±2 tokens (about 1% of the
+  context). This is the best a selector at that budget could do;
+* ``oracle:answer``: every token of the documents that hold those facts;
+* ``oracle:others``: every token of the other documents.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ SYSTEM = "Answer the question using the documents. Reply with a short answer."
 OWN_SYSTEM = ("You are a careful archivist. Read the documents below and reply with the exact answer "
               "only, with no explanation.")
 OWN_MODES = ("own-system", "full-own-system")
+ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
+#: ``oracle:fact``: tokens taken either side of a fact sentence (its tokenization at a cut may merge)
+ORACLE_MARGIN = 2
 
 
 @dataclass(slots=True)
@@ -46,6 +57,7 @@ class Question:
     question: str
     answer: str  # gold answer (answer-contained: every word of it must appear)
     kind: str = ""
+    facts: list[str] = field(default_factory=list)  # the planted sentences the answer needs
 
 
 # ---------------------------------------------------------------------------- data
@@ -126,17 +138,17 @@ def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) ->
     fact_docs = [_plant(fill.passage(i), f[1], r) for i, f in enumerate(facts)]
     plain_docs = [fill.passage(10_000 + i) for i in range(n + 8)]
     out: dict[str, list[Question]] = {"plain": [], "competing": [], "cross": []}
-    for i, (kind, _fact_s, q, a) in enumerate(facts):
+    for i, (kind, fact_s, q, a) in enumerate(facts):
         slot = r.randrange(k)
         distract = r.sample(plain_docs, k - 1)
-        out["plain"].append(Question(distract[:slot] + [fact_docs[i]] + distract[slot:], q, a, kind))
+        out["plain"].append(Question(distract[:slot] + [fact_docs[i]] + distract[slot:], q, a, kind, [fact_s]))
         same = [j for j in range(n) if j != i and facts[j][0] == kind]
         others = r.sample(same, min(k - 1, len(same)))
         rest = [j for j in range(n) if j != i and j not in others]  # a small n: other facts fill in
         others += r.sample(rest, min(k - 1 - len(others), len(rest)))
         docs = [fact_docs[j] for j in others]
         docs.insert(min(slot, len(docs)), fact_docs[i])
-        out["competing"].append(Question(docs, q, a, kind))
+        out["competing"].append(Question(docs, q, a, kind, [fact_s]))
     # cross-document: person -> company, company -> city (with competing pairs as distractors)
     pairs = []
     for i in range(n):
@@ -147,13 +159,14 @@ def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) ->
         d2 = _plant(fill.passage(30_000 + i), f"The headquarters of {company} are in {city}.", r)
         pairs.append((name, company, city, d1, d2))
     for i, (name, company, city, d1, d2) in enumerate(pairs):
+        facts_i = [f"{name} works for {company}.", f"The headquarters of {company} are in {city}."]
         j = (i + 1 + r.randrange(n - 1)) % n if n > 1 else i
         other = pairs[j]
         distract = [other[3] if other[1] != company else plain_docs[i], other[4] if other[1] != company else plain_docs[i + 1]]
         docs = [d1, d2] + distract[: max(0, k - 2)]
         r.shuffle(docs)
         q = f"{name} works for a company. In which city are that company's headquarters?"
-        out["cross"].append(Question(docs, q, city, "cross"))
+        out["cross"].append(Question(docs, q, city, "cross", facts_i))
     return out
 
 
@@ -260,7 +273,30 @@ class _Synthetic:
             parts.append((f"d{j}", kv))
             pos += kv.length
         recompute = "none" if mode in ("isolated", "preamble", "own-system") else mode
+        if mode in ORACLE_MODES:
+            from .recompute import Recompute
+
+            recompute = Recompute.explicit(self.oracle_rows(mode, q, [kv.length for _, kv in parts]))
         return parts, self.q_ids(q.question), "preamble", recompute
+
+    def oracle_rows(self, mode: str, q: Question, lengths: list[int]) -> list[int]:
+        """The cache rows an oracle mode recomputes (``lengths``: the preamble's, then each document's)."""
+        rows: list[int] = []
+        off = lengths[0]
+        for d, n in zip(q.docs, lengths[1:]):
+            holds = [f for f in q.facts if f in d]
+            if mode == "oracle:answer" and holds or mode == "oracle:others" and not holds:
+                rows.extend(range(off, off + n))
+            elif mode == "oracle:fact":
+                for f in holds:
+                    at = d.index(f)
+                    text = self.pcs["preamble"].safe.text
+                    t0, t1 = len(text(d[:at])), len(text(d[: at + len(f)]))
+                    rows.extend(range(off + max(0, t0 - ORACLE_MARGIN), off + min(n, t1 + ORACLE_MARGIN)))
+            off += n
+        if mode != "oracle:others" and not rows:
+            raise ValueError(f"{mode}: no document of this question holds its facts")
+        return rows
 
     def answers(self, modes, q: Question, max_new_tokens: int) -> list:
         """One output per mode; the prompts are prefilled one by one and decoded together."""
@@ -335,10 +371,11 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     from .recompute import Recompute
 
     for m in modes:
-        if m not in ("full", "isolated", "preamble") + OWN_MODES:
+        if m not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES:
             Recompute.parse(m)
-    if "rag" in sets and set(modes) & set(OWN_MODES):
-        raise ValueError(f"the modes {', '.join(OWN_MODES)} run on the synthetic sets only (not 'rag')")
+    synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
+    if "rag" in sets and synthetic_only:
+        raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
     t_start = time.perf_counter()
@@ -454,16 +491,45 @@ def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
     return out
 
 
-def write_report(summary: dict, out_dir: Path, notes: list[str] = ()) -> tuple[Path, Path | None]:
-    """``docs/quality.md`` (a table per set, after the paragraphs in ``notes``) and
-    ``docs/quality.png`` (accuracy vs speed-up)."""
+def _set_table(rows: dict) -> list[str]:
+    """One set's Markdown table (a row per mode, ✓ where within reach of full prefill), and the
+    line that says whether any recompute setting is within reach at 5x or more."""
+    lines = ["| mode | accuracy | 95% CI | token F1 | agreement | recomputed | median TTFT | speed-up | prompt tokens |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    base = rows.get("full")
+    meets = []
+    for m, r in rows.items():
+        within = ""
+        if base is not None and m != "full":
+            overlap = r["ci95"][1] >= base["ci95"][0] and base["ci95"][1] >= r["ci95"][0]
+            within = " ✓" if (abs(r["accuracy"] - base["accuracy"]) <= 0.02 or overlap) else ""
+            if within and r.get("speedup", 0) >= 5 and m not in ("isolated", "preamble") and m not in ORACLE_MODES:
+                meets.append(m)
+        lines.append(
+            f"| {m}{within} | {r['correct']}/{r['n']} = {r['accuracy']:.1%} | {r['ci95'][0]:.1%}–{r['ci95'][1]:.1%} "
+            f"| {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
+            f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
+    lines.append("")
+    if base is not None:
+        lines += [(f"Recompute settings within reach of full prefill (✓) at 5x its speed or more: {', '.join(meets)}."
+                   if meets else "No recompute setting is within reach of full prefill (✓) at 5x its speed or more "
+                   "on this set."), ""]
+    return lines
+
+
+def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
+                 appendix: list[tuple[str, str, dict]] = ()) -> tuple[Path, Path | None]:
+    """``docs/quality.md`` (a table per set, after the paragraphs in ``notes``; then each
+    ``(title, text, summary)`` of ``appendix`` as a section with its own tables) and
+    ``docs/quality.png`` (accuracy vs speed-up of ``summary``'s sets)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = summary.get("config", {})
     lines = ["# Answer quality: cached vs full prefill, with selective recomputation", "",
              f"`pcache-rag eval quality`: {cfg.get('n_per_set', '?')} questions per set, documents of "
              f"~{cfg.get('doc_tokens', '?')} tokens, k={cfg.get('k', '?')}, greedy answers of at most "
              f"{cfg.get('max_new_tokens', '?')} tokens (ending at the first line break), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
-             f"{cfg.get('seconds', '?')} s in one run. Accuracy is answer-contained with a 95% Wilson interval; "
+             + (f"{cfg['seconds']} s in one run. " if isinstance(cfg.get("seconds"), (int, float)) else
+                f"{cfg.get('seconds', '?')}. ") + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
              "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run. "
              "Each question's prompts are prefilled one by one (that is what TTFT times) and then decoded together "
@@ -472,27 +538,11 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = ()) -> tuple[P
     for note in notes:
         lines += [note, ""]
     for set_name, rows in summary["sets"].items():
-        lines += [f"## {set_name}", "",
-                  "| mode | accuracy | 95% CI | token F1 | agreement | recomputed | median TTFT | speed-up | prompt tokens |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-        base = rows.get("full")
-        meets = []
-        for m, r in rows.items():
-            within = ""
-            if base is not None and m != "full":
-                overlap = r["ci95"][1] >= base["ci95"][0] and base["ci95"][1] >= r["ci95"][0]
-                within = " ✓" if (abs(r["accuracy"] - base["accuracy"]) <= 0.02 or overlap) else ""
-                if within and r.get("speedup", 0) >= 5 and m not in ("isolated", "preamble"):
-                    meets.append(m)
-            lines.append(
-                f"| {m}{within} | {r['correct']}/{r['n']} = {r['accuracy']:.1%} | {r['ci95'][0]:.1%}–{r['ci95'][1]:.1%} "
-                f"| {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
-                f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
-        lines.append("")
-        if base is not None:
-            lines += [(f"Recompute settings within reach of full prefill (✓) at 5x its speed or more: {', '.join(meets)}."
-                       if meets else "No recompute setting is within reach of full prefill (✓) at 5x its speed or more "
-                       "on this set."), ""]
+        lines += [f"## {set_name}", ""] + _set_table(rows)
+    for title, text, extra in appendix:
+        lines += [f"## {title}", "", text, ""]
+        for set_name, rows in extra["sets"].items():
+            lines += [f"### {title}: {set_name}", ""] + _set_table(rows)
     lines += ["✓: within 2 points of full prefill, or its 95% interval overlaps the baseline's.", ""]
     md = out_dir / "quality.md"
     md.write_text("\n".join(lines))

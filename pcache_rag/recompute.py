@@ -23,6 +23,10 @@ on top of the cached states recovers much of the lost quality:
   attention runs through ``pcache_sdpa``; ALiBi is refused.
 * ``all``: every context token (a correctness anchor: it equals a full causal
   prefill of the same tokens and positions).
+* ``Recompute.explicit(rows)``: the given cache rows (no string form). This is
+  how ``pcache-rag eval quality``'s oracle modes recompute exactly the tokens
+  that hold an answer, to tell a selection's misses from what recomputation
+  can recover at all.
 
 The first unit (the preamble, or the first module) is never selected by
 ``epic``/``blend``: it starts at position 0 and its states are already exact.
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("none", "epic", "blend", "focus", "all")
+KINDS = ("none", "epic", "blend", "focus", "all", "rows")
 #: ``focus``: a token's score is the best within this many tokens either side
 FOCUS_WINDOW = 4
 
@@ -56,6 +60,16 @@ class Recompute:
     k: int = 0  # epic: tokens per unit
     ratio: float = 0.0  # blend: fraction of candidate tokens
     check_layer: int = 1  # blend: the layer whose keys are compared
+    rows: tuple[int, ...] = ()  # rows: the cache rows to recompute (see :meth:`explicit`)
+
+    @classmethod
+    def explicit(cls, rows) -> "Recompute":
+        """Recompute exactly these cache rows (indices into the assembled context, in cache
+        order; the first unit's rows are refused because its states are already exact)."""
+        rs = tuple(sorted({int(r) for r in rows}))
+        if rs and rs[0] < 0:
+            raise ValueError(f"recompute rows must be >= 0, not {rs[0]}")
+        return cls("rows", rows=rs)
 
     @classmethod
     def parse(cls, spec: "str | Recompute | None") -> "Recompute":
@@ -98,6 +112,8 @@ class Recompute:
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
         if self.kind == "focus":
             return f"focus:{self.ratio:g}"
+        if self.kind == "rows":
+            return f"rows({len(self.rows)})"
         return self.kind
 
 

@@ -29,6 +29,9 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
                 assert math.isfinite(v) and v >= 0, (key, col, v)
                 if col.endswith(("ms", "/s", "speed-up", "seconds")) or "bytes" in col or col.startswith("vs "):
                     assert v > 0, (key, col, v)
+    assert "## Headline" in md and ("No GPU in this run" in md) == (not raw["machine"]["gpu"])
+    heads = dict(raw["headline"])
+    assert "TTFT speed-up, cached (host fp16) vs full prefill" in heads and "bytes per cached token (measured)" in heads
     length = raw["figures"]["length"]
     cols = length["columns"]
     for row in length["rows"]:

@@ -71,3 +71,50 @@ def test_checkpoint_resumes_and_refuses_other_settings(smol_dir, tmp_path):
     assert len(json.loads(ck.read_text())["records"]["plain"]["full"]["answers"]) == 2
     with pytest.raises(ValueError, match="modes"):
         run_eval(checkpoint=ck, **{**kw, "modes": ("full", "preamble")})
+
+
+def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
+    """The diagnostic modes pick their rows from the planted facts: ``oracle:fact`` decodes to
+    the fact sentences, ``oracle:answer`` and ``oracle:others`` split the documents between
+    them; the rag set refuses them by name."""
+    import pytest
+
+    from helpers import tiny_model
+    from pcache_rag.evalq import ORACLE_MODES, _Synthetic, run_eval
+
+    syn = _Synthetic(tiny_model("llama", len(smol_tok), seed=0), smol_tok)
+    sets = build_sets(smol_tok, 3, 80, seed=2)
+    for name in ("plain", "cross"):
+        for q in sets[name]:
+            parts, _, _, policy = syn.request("oracle:fact", q)
+            lengths = [kv.length for _, kv in parts]
+            ids = [int(i) for _, kv in parts for i in kv.token_ids]
+            text = smol_tok.decode([ids[r] for r in policy.rows])
+            assert len(q.facts) == (2 if name == "cross" else 1)
+            for f in q.facts:
+                assert f in text.replace("\n", " "), (f, text)
+            assert len(policy.rows) < 0.15 * sum(lengths[1:])
+            answer = set(syn.request("oracle:answer", q)[3].rows)
+            others = set(syn.request("oracle:others", q)[3].rows)
+            assert set(policy.rows) <= answer and not answer & others
+            assert answer | others == set(range(lengths[0], sum(lengths)))
+            holders = sum(any(f in d for f in q.facts) for d in q.docs)
+            assert holders == len(q.facts) and len(answer) == sum(
+                n for d, n in zip(q.docs, lengths[1:]) if any(f in d for f in q.facts))
+    with pytest.raises(ValueError, match="oracle:fact.*synthetic sets only"):
+        run_eval(model_path=None, modes=("full",) + ORACLE_MODES, sets=("plain", "rag"), out_dir=None)
+
+
+def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
+    from pcache_rag.evalq import ORACLE_MODES, run_eval, write_report
+
+    modes = ("full", "preamble") + ORACLE_MODES
+    s = run_eval(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=modes, sets=("cross",),
+                 out_dir=None, log=lambda *a: None)
+    rows = s["sets"]["cross"]
+    fact, answer, others = (rows[m]["recomputed_fraction"] for m in ORACLE_MODES)
+    assert 0 < fact < answer and 0.5 < answer + others < 1  # the preamble is never recomputed
+    md, _ = write_report(s, tmp_path, notes=["A note."], appendix=[("Where the loss comes from", "Oracles.", s)])
+    text = md.read_text()
+    assert "A note." in text and "## Where the loss comes from" in text and "### Where the loss comes from: cross" in text
+    assert text.count("| oracle:fact") == 2  # the main table and the appendix's

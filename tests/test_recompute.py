@@ -107,11 +107,14 @@ def test_none_is_the_cached_path_unchanged(pc):
     assert (ref - none.logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0", "focus:0.3"])
+@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0", "focus:0.3", "rows"])
 def test_selected_set_equals_the_masked_reference(pc, spec):
     parts, new = _parts(pc)
-    policy = Recompute.parse(spec)
     kvs = [kv for _, kv in parts]
+    if spec == "rows":  # explicit rows (the eval's oracle): two of the second chunk, all of the third
+        a, b = kvs[0].length, kvs[0].length + kvs[1].length
+        spec = Recompute.explicit([a + 3, a + 1] + list(range(b, b + kvs[2].length)))
+    policy = Recompute.parse(spec)
     new_pos = list(range(sum(kv.length for kv in kvs), sum(kv.length for kv in kvs) + len(new)))
     if policy.kind == "focus" and pc.adapter.family == "alibi":
         with pytest.raises(UnsupportedModelError, match="focus"):
@@ -120,6 +123,8 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
     rows = pc._select(kvs, policy, new, new_pos)
     if policy.kind == "epic":
         assert rows == epic_rows([kv.length for _, kv in parts], policy.k)
+    if policy.kind == "rows":
+        assert rows == list(policy.rows) and rows[:2] == [kvs[0].length + 1, kvs[0].length + 3]
     first = parts[0][1].length
     assert rows and min(rows) >= first, "the first unit is never recomputed"
     res = pc.prefill_parts(parts, new, recompute=spec)
@@ -179,6 +184,18 @@ def test_bad_policies_are_refused():
             Recompute.parse(bad)
     assert str(Recompute.parse("blend:0.15@3")) == "blend:0.15@3" and str(Recompute.parse(" EPIC:8 ")) == "epic:8"
     assert str(Recompute.parse("focus:0.1")) == "focus:0.1"
+    assert str(Recompute.explicit([5, 3, 5])) == "rows(2)" and Recompute.explicit([5, 3, 5]).rows == (3, 5)
+    with pytest.raises(ValueError, match=">= 0"):
+        Recompute.explicit([-1])
+
+
+def test_explicit_rows_outside_the_prompt_are_refused(smol_tok):
+    pc = PromptCache(sharp_model("llama", len(smol_tok), seed=3), smol_tok, encoding="isolated", store_dtype=None)
+    parts, new = _parts(pc)
+    first, C = parts[0][1].length, sum(kv.length for _, kv in parts)
+    for bad in ([0], [C]):  # the first unit's rows are exact already; C is past the context
+        with pytest.raises(ValueError, match="outside the rows after the first unit"):
+            pc.prefill_parts(parts, new, recompute=Recompute.explicit(bad + [first]))
 
 
 def test_focus_ranks_by_the_questions_attention(smol_tok):
