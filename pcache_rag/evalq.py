@@ -281,16 +281,16 @@ class _Synthetic:
 
     def oracle_rows(self, mode: str, q: Question, lengths: list[int]) -> list[int]:
         """The cache rows an oracle mode recomputes (``lengths``: the preamble's, then each document's)."""
+        text = self.pcs["preamble"].safe.text
         rows: list[int] = []
         off = lengths[0]
         for d, n in zip(q.docs, lengths[1:]):
             holds = [f for f in q.facts if f in d]
-            if mode == "oracle:answer" and holds or mode == "oracle:others" and not holds:
+            if (mode == "oracle:answer" and holds) or (mode == "oracle:others" and not holds):
                 rows.extend(range(off, off + n))
             elif mode == "oracle:fact":
                 for f in holds:
                     at = d.index(f)
-                    text = self.pcs["preamble"].safe.text
                     t0, t1 = len(text(d[:at])), len(text(d[: at + len(f)]))
                     rows.extend(range(off + max(0, t0 - ORACLE_MARGIN), off + min(n, t1 + ORACLE_MARGIN)))
             off += n
