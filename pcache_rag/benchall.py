@@ -580,12 +580,12 @@ def headline(figs: list[Figure]) -> list[tuple[str, str]]:
         rows = f.rows
         sp = [(r[0], r[c["speed-up (host fp16)"]]) for r in rows]
         out.append(("TTFT speed-up, cached (host fp16) vs full prefill", " · ".join(f"{_k(n)}: {_x(v)}" for n, v in sp)))
-        slow = [n for n, v in sp if v < 2]
         pays = [n for n, v in sp if v >= 2]
         if pays:
+            below = [f"{_k(n)} {_x(v)}" for n, v in sp if n < min(pays)]
             out.append(("shortest prompt where caching is at least 2x faster",
-                        f"{_k(min(pays))} tokens" + (f" (below it: {', '.join(f'{_k(n)} {_x(v)}' for n, v in sp if n in slow)})"
-                                                     if slow else " (the shortest measured)")))
+                        f"{_k(min(pays))} tokens" + (f" (below it: {', '.join(below)})" if below
+                                                     else " (the shortest measured)")))
         top = rows[-1]
         out.append((f"at {_k(top[0])} tokens: full prefill, cached, floor",
                     f"{top[1] / 1e3:.2f} s, {top[c['host fp16 ms']]:.0f} ms, {top[c['floor ms']]:.0f} ms"))

@@ -495,20 +495,20 @@ class PromptCache:
     def _select(self, kvs: list[ModuleKV], policy: Recompute, new_ids=(), new_pos=()) -> list[int]:
         """Cache rows to recompute under ``policy`` (only when several units are assembled);
         ``focus`` ranks them by the attention of ``new_ids`` at ``new_pos`` (the question)."""
+        lengths = [kv.length for kv in kvs]
+        if policy.kind == "rows":  # checked even for one unit: explicit rows are never dropped in silence
+            C = sum(lengths)
+            bad = [r for r in policy.rows if not (lengths[0] if lengths else 0) <= r < C]
+            if bad:
+                raise ValueError(f"recompute rows {bad[:5]} are outside the rows after the first unit "
+                                 f"({lengths[0] if lengths else 0}..{C - 1}) of this prompt")
+            return list(policy.rows)
         if policy.kind == "none" or len(kvs) < 2:
             return []
-        lengths = [kv.length for kv in kvs]
         if policy.kind == "all":
             return list(range(sum(lengths)))
         if policy.kind == "epic":
             return epic_rows(lengths, policy.k)
-        if policy.kind == "rows":
-            C = sum(lengths)
-            bad = [r for r in policy.rows if not lengths[0] <= r < C]
-            if bad:
-                raise ValueError(f"recompute rows {bad[:5]} are outside the rows after the first unit "
-                                 f"({lengths[0]}..{C - 1}) of this prompt")
-            return list(policy.rows)
         if policy.kind == "focus":
             return blend_rows(focus_scores(self._question_attention(kvs, list(new_ids), list(new_pos))),
                               lengths, policy.ratio)

@@ -510,7 +510,7 @@ def _set_table(rows: dict) -> list[str]:
             f"| {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
             f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
     lines.append("")
-    if base is not None:
+    if base is not None and any(m not in ("full", "isolated", "preamble") + ORACLE_MODES for m in rows):
         lines += [(f"Recompute settings within reach of full prefill (✓) at 5x its speed or more: {', '.join(meets)}."
                    if meets else "No recompute setting is within reach of full prefill (✓) at 5x its speed or more "
                    "on this set."), ""]

@@ -196,6 +196,8 @@ def test_explicit_rows_outside_the_prompt_are_refused(smol_tok):
     for bad in ([0], [C]):  # the first unit's rows are exact already; C is past the context
         with pytest.raises(ValueError, match="outside the rows after the first unit"):
             pc.prefill_parts(parts, new, recompute=Recompute.explicit(bad + [first]))
+    with pytest.raises(ValueError, match="outside the rows after the first unit"):  # one unit: not dropped
+        pc.prefill_parts(parts[:1], new, recompute=Recompute.explicit([1]))
 
 
 def test_focus_ranks_by_the_questions_attention(smol_tok):
