@@ -92,6 +92,16 @@ def _positive(v: str) -> int:
     return n
 
 
+def _positive_float(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
+    if not x > 0 or x != x or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {v}")
+    return x
+
+
 def _rag(a, create: bool):
     from .engine import PromptCache
     from .rag import CachedRAG
@@ -114,7 +124,7 @@ def cmd_ingest(a) -> int:
         return 2
     # Validate everything cheap before the model loads.
     check_index_dir(a.index, create=True)
-    scan(a.paths)
+    scan(a.paths, exclude=[a.index])
     rag = _rag(a, create=True)
     rep = rag.ingest(a.paths, progress=True, encode=a.encode, prune=a.prune)
     if rep.rebuilt_from:
@@ -211,16 +221,29 @@ def cmd_serve(a) -> int:
     new = not Path(a.index).expanduser().exists()
     check_index_dir(a.index, create=True)
     rag = _rag(a, create=True)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: serving on {a.host}: anyone who can reach it can read the documents and add files "
-              f"(there is no authentication)", file=sys.stderr)
+    import os
+
+    from .serve.guard import allowed_hosts_for
+
+    api_key = a.api_key or os.environ.get("PCACHE_RAG_API_KEY") or None
+    hosts = allowed_hosts_for(a.host, a.allowed_host or [])
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can read the documents "
+              f"and add files", file=sys.stderr)
+    if "*" in hosts:
+        print("warning: --allowed-host '*': any Host header is accepted (pages on other sites can reach this "
+              "server through DNS rebinding)", file=sys.stderr)
+    elif a.host in ("0.0.0.0", "::"):
+        print(f"note: requests are answered for Host {', '.join(hosts)}; name others with --allowed-host",
+              file=sys.stderr)
     n = rag.index.count()
     what = "a new, empty index: add documents on the page" if new or n == 0 else f"{n} chunks indexed"
     print(f"pcache-rag: {what} ({shown(a.index)})\n  web app: http://{a.host}:{a.port}/\n"
           f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config._name_or_path)).name!r})",
           file=sys.stderr)
     serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
-          max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info")
+          max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info", allowed_hosts=hosts,
+          api_key=api_key, max_connections=a.limit_concurrency, header_timeout=a.header_timeout)
     rag.close()
     return 0
 
@@ -295,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
         x.add_argument("--store-dtype", choices=("float16", "int8"), default="float16",
                        help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
-        x.add_argument("--disk-budget", type=float, default=None, metavar="GB",
+        x.add_argument("--disk-budget", type=_positive_float, default=None, metavar="GB",
                        help="KV store disk budget in GiB (default: half the free disk, at most 64)")
 
     i = sub.add_parser("ingest", help="index documents: chunk, embed into chroma, encode KV states")
@@ -334,6 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--queue", type=_positive, default=64, help="questions that may wait; more get 503")
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
     v.add_argument("--recompute", default=None, metavar="POLICY", help="recompute policy for answers")
+    v.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and /api (default: $PCACHE_RAG_API_KEY, or none)")
+    v.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="also answer requests whose Host is NAME (repeatable; '*' for any); default: the bound "
+                        "address and localhost")
+    v.add_argument("--limit-concurrency", type=_positive, default=None, metavar="N",
+                   help="connections held at once (default: 1024, or 3/4 of the file descriptor limit)")
+    v.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds a connection has to send its request headers")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     v.set_defaults(fn=cmd_serve)
 

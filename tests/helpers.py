@@ -136,14 +136,17 @@ def free_port() -> int:
 
 
 class Server:
-    """A real uvicorn server on a loopback port, in a thread of this process."""
+    """A real uvicorn server on a loopback port, in a thread of this process, configured as
+    ``pcache-rag serve`` configures it (``config``: :func:`pcache_rag.serve.server_config`'s)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import uvicorn  # imported here: only the serve tests need it
+
+        from pcache_rag.serve import server_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_level="warning", **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 60
@@ -154,3 +157,92 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def docx_bomb(path, xml_bytes: int) -> None:
+    """A valid .docx whose document.xml is ``xml_bytes`` of empty paragraphs: a few hundred KB
+    on disk (python-docx writes the package; the body is replaced, deflated)."""
+    import docx
+    import zipfile
+
+    docx.Document().save(str(path))
+    with zipfile.ZipFile(path) as z:
+        parts = {i.filename: z.read(i) for i in z.infolist()}
+    head = (b'<?xml version="1.0" encoding="UTF-8" standalone="yes"?>\n<w:document xmlns:w="http://schemas.'
+            b'openxmlformats.org/wordprocessingml/2006/main"><w:body>')
+    tail = b"</w:body></w:document>"
+    para = b"<w:p/>"
+    body = para * ((xml_bytes - len(head) - len(tail)) // len(para))
+    parts["word/document.xml"] = head + body + tail
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+        for name, data in parts.items():
+            z.writestr(name, data)
+
+
+def pdf_bomb(path, inflated_bytes: int) -> None:
+    """A one-page PDF whose content stream (FlateDecode) inflates to ``inflated_bytes`` of
+    spaces: about 1 KB per MB on disk."""
+    import zlib
+
+    co = zlib.compressobj(9)
+    block = b" " * (1 << 20)
+    parts = []
+    left = inflated_bytes
+    while left > 0:
+        parts.append(co.compress(block[: min(left, len(block))]))
+        left -= len(block)
+    stream = b"".join(parts) + co.flush()
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    with open(path, "wb") as f:
+        f.write(out)
+
+
+class RedisServer:
+    """``redis-server`` on 127.0.0.1, nothing persisted, LRU eviction as the budget."""
+
+    def __init__(self, port: int | None = None, *extra: str, maxmemory: str = "512mb",
+                 policy: str = "allkeys-lru"):
+        import shutil
+        import subprocess
+
+        import pytest
+        import redis
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (make setup installs it as root with apt-get; "
+                        "see scripts/install-system-deps.sh)")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--maxmemory", maxmemory, "--maxmemory-policy", policy, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        deadline = time.time() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert self.proc.poll() is None and time.time() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        self.client = client
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)

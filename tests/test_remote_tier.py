@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, tiny_model
+from helpers import RedisServer, tiny_model
 
 redis = pytest.importorskip("redis")
 
@@ -22,36 +22,6 @@ DOCS = {
     "bakery.md": "The bakery on Elm Street sells rye bread on Tuesdays. Its owner is called Marta Lindqvist.\n",
 }
 Q = "What is the access code for the north gate?"
-
-
-class RedisServer:
-    """``redis-server`` on 127.0.0.1, nothing persisted, LRU eviction as the budget."""
-
-    def __init__(self, port: int | None = None):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server is not installed (make setup installs it as root with apt-get; "
-                        "see scripts/install-system-deps.sh)")
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.time() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                assert self.proc.poll() is None and time.time() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        self.client = client
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.fixture()

@@ -83,22 +83,54 @@ def decode_text(data: bytes, name: str = "") -> Document:
 _WESTERN = ("cp1252", "latin_1", "iso8859_15")
 
 
-def read_document(path: Path) -> Document:
-    """The text of a supported file; :class:`SkipFile` says why a file cannot be read."""
+#: the most text one file may give, in characters (about 8M tokens: far more states than a
+#: disk holds), and the largest plain-text file read
+MAX_TEXT_CHARS = 32_000_000
+MAX_TEXT_BYTES = 4 * MAX_TEXT_CHARS
+#: a .docx whose XML parts expand to more than this is refused before parsing
+MAX_DOCX_XML_BYTES = 64 << 20
+#: a .docx part larger than BOMB_MIN_BYTES that compressed better than this ratio is refused
+BOMB_RATIO = 200
+BOMB_MIN_BYTES = 4 << 20
+#: formats whose parsers run in a child process with a memory limit (see :mod:`.extract`)
+ISOLATED_SUFFIXES = (".pdf", ".docx", ".html", ".htm", ".xhtml")
+
+
+def read_document(path: Path, isolate: bool = True) -> Document:
+    """The text of a supported file; :class:`SkipFile` says why a file cannot be read.
+
+    PDF, Word and HTML files are parsed in a child process with a memory limit
+    (``isolate``; see :mod:`.extract`), so a decompression bomb is a skipped file, never the
+    caller's memory. Text beyond :data:`MAX_TEXT_CHARS` is refused by name, never cut."""
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED:
         raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(SUPPORTED)})")
+    if isolate and suffix in ISOLATED_SUFFIXES:
+        from .extract import extract
+
+        return extract(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise SkipFile(f"cannot be read: {e.strerror or e}") from None
+    if suffix in TEXT_SUFFIXES + (".html", ".htm", ".xhtml") and size > MAX_TEXT_BYTES:
+        raise SkipFile(f"the file is {size / 1e6:.0f} MB; the limit for one text file is {MAX_TEXT_BYTES / 1e6:.0f} MB")
     try:
         data = path.read_bytes()
     except OSError as e:
         raise SkipFile(f"cannot be read: {e.strerror or e}") from None
     if suffix == ".pdf":
-        return read_pdf(data)
-    if suffix == ".docx":
-        return read_docx(data)
-    if suffix in (".html", ".htm", ".xhtml"):
-        return read_html(decode_text(data, str(path)))
-    return decode_text(data, str(path))
+        doc = read_pdf(data)
+    elif suffix == ".docx":
+        doc = read_docx(data)
+    elif suffix in (".html", ".htm", ".xhtml"):
+        doc = read_html(decode_text(data, str(path)))
+    else:
+        doc = decode_text(data, str(path))
+    if len(doc.text) > MAX_TEXT_CHARS:
+        raise SkipFile(f"its text is {len(doc.text) / 1e6:.0f}M characters; the limit for one file is "
+                       f"{MAX_TEXT_CHARS / 1e6:.0f}M (split the file to ingest it)")
+    return doc
 
 
 def read_pdf(data: bytes) -> Document:
@@ -108,6 +140,8 @@ def read_pdf(data: bytes) -> Document:
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError
 
+    from pypdf.errors import LimitReachedError
+
     try:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
@@ -115,10 +149,21 @@ def read_pdf(data: bytes) -> Document:
                 reader.decrypt("")
             except Exception:  # noqa: BLE001 - pypdf raises several kinds here
                 raise SkipFile("encrypted PDF (needs a password)") from None
-        pages = tuple(_tidy(p.extract_text() or "") for p in reader.pages)
+        pages = []
+        total = 0
+        for p in reader.pages:
+            pages.append(_tidy(p.extract_text() or ""))
+            total += len(pages[-1])
+            if total > MAX_TEXT_CHARS:
+                raise SkipFile(f"its text is more than {MAX_TEXT_CHARS / 1e6:.0f}M characters, the limit for one "
+                               f"file (split the file to ingest it)")
+        pages = tuple(pages)
     except SkipFile:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+    except LimitReachedError as e:  # pypdf's own bound on what a stream may inflate to
+        raise SkipFile(f"a stream in the PDF expands past pypdf's limit (a decompression bomb?): {e}") from None
+    except (PdfReadError, ValueError, KeyError, TypeError, OSError, AttributeError, IndexError,
+            RecursionError) as e:
         raise SkipFile(f"damaged or unreadable PDF: {e}") from None
     empty = sum(1 for p in pages if not p.strip())
     if pages and empty == len(pages):
@@ -148,10 +193,13 @@ def read_docx(data: bytes) -> Document:
     import zipfile
 
     try:
+        _check_zip(data)
         import docx
         from docx.oxml.ns import qn
 
         d = docx.Document(io.BytesIO(data))
+    except SkipFile:
+        raise
     except (zipfile.BadZipFile, KeyError, ValueError) as e:
         raise SkipFile(f"damaged or not a .docx file: {e}") from None
     except Exception as e:  # noqa: BLE001 - python-docx raises its own kinds for bad packages
@@ -167,23 +215,51 @@ def read_docx(data: bytes) -> Document:
     return Document(_tidy("\n".join(out)), "docx")
 
 
+def _check_zip(data: bytes) -> None:
+    """Refuse a .docx whose XML would expand past :data:`MAX_DOCX_XML_BYTES`, or whose large
+    parts compressed better than :data:`BOMB_RATIO`, from the zip directory alone (before any
+    part is inflated; Python's zipfile never inflates past a part's declared size)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        total = 0
+        for info in z.infolist():
+            if not info.filename.endswith((".xml", ".rels")):
+                continue
+            total += info.file_size
+            if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(info.compress_size, 1):
+                raise SkipFile(f"{info.filename} expands from {info.compress_size / 1e3:.0f} KB to "
+                               f"{info.file_size / 1e6:.0f} MB ({info.file_size // max(info.compress_size, 1)}:1; "
+                               f"a decompression bomb?)")
+        if total > MAX_DOCX_XML_BYTES:
+            raise SkipFile(f"its XML expands to {total / 1e6:.0f} MB, more than the {MAX_DOCX_XML_BYTES / 1e6:.0f} MB "
+                           f"limit (a decompression bomb?)")
+
+
 def _tidy(text: str) -> str:
     """Trim lines and keep at most one blank line between paragraphs."""
     lines = [ln.strip() for ln in text.splitlines()]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
-def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
+def scan(paths, exclude=()) -> tuple[list[Path], list[tuple[Path, str]]]:
     """Supported files under ``paths`` (files or directories, recursively), resolved and sorted,
-    and ``(path, reason)`` for every file skipped. A path that does not exist is an error."""
+    and ``(path, reason)`` for every file skipped. A path that does not exist is an error.
+
+    Directories in ``exclude`` (the index being written, say) are left out of a walk without a
+    word: an index inside the folder it indexes never lists its own databases as skipped."""
     out: set[Path] = set()
     skipped: list[tuple[Path, str]] = []
+    left_out = {_real(e) for e in exclude}
     for p in paths:
         p = Path(p).expanduser()
         if not p.exists() and not p.is_symlink():
             raise FileNotFoundError(f"{p} does not exist")
         if p.is_dir():
-            for root, _dirs, files in os.walk(p, followlinks=False):
+            for root, dirs, files in os.walk(p, followlinks=False):
+                if left_out:
+                    dirs[:] = [d for d in dirs if _real(Path(root) / d) not in left_out]
                 for name in sorted(files):
                     _consider(Path(root) / name, out, skipped)
         else:
@@ -191,9 +267,29 @@ def scan(paths) -> tuple[list[Path], list[tuple[Path, str]]]:
     return sorted(out), skipped
 
 
+def _real(p) -> Path:
+    try:
+        return Path(p).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return Path(p).expanduser().absolute()
+
+
+def unencodable_name(f: Path) -> bool:
+    """True when the path holds bytes that are not UTF-8 (Python keeps them as lone
+    surrogates): such a name cannot go into the tokenizer, chroma or JSON."""
+    try:
+        str(f).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _consider(f: Path, out: set[Path], skipped: list) -> None:
     # The type is judged by the name as found (a link "notes.md" to a file without an
     # extension is a markdown file); the link's target is what gets read.
+    if unencodable_name(f):
+        skipped.append((f, "the file name is not valid UTF-8 (shown escaped); rename the file to ingest it"))
+        return
     if f.suffix.lower() not in SUPPORTED:
         # named in the report whether given by name or found in a folder: never skipped in silence
         skipped.append((f, f"unsupported file type {f.suffix or '(none)'!r}"))

@@ -32,15 +32,32 @@ class IndexDamagedError(RuntimeError):
 
 
 def _check_sqlite(db: Path) -> None:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    """:class:`IndexDamagedError` unless SQLite's quick check says ``ok``. Any failure to open
+    or read the file is damage, whatever its message: a flipped byte in the schema text
+    makes SQLite's own error text undecodable, so results are read as bytes."""
     try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    except Exception as e:  # noqa: BLE001 - sqlite3 raises several kinds for a damaged file
+        raise IndexDamagedError(db, _reason(e)) from None
+    try:
+        con.text_factory = bytes
         res = con.execute("PRAGMA quick_check").fetchone()
-    except sqlite3.DatabaseError as e:
-        raise IndexDamagedError(db, str(e)) from None
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e).lower() or "busy" in str(e).lower():
+            raise  # another process is writing: not damage
+        raise IndexDamagedError(db, _reason(e)) from None
+    except Exception as e:  # noqa: BLE001
+        raise IndexDamagedError(db, _reason(e)) from None
     finally:
         con.close()
-    if not res or res[0] != "ok":
-        raise IndexDamagedError(db, f"integrity check: {res[0] if res else 'no answer'}")
+    if not res or res[0] != b"ok":
+        shown = res[0].decode("utf-8", "backslashreplace")[:200] if res else "no answer"
+        raise IndexDamagedError(db, f"integrity check: {shown}")
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as text that is always printable (its message may hold damaged bytes)."""
+    return f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ChromaIndex:
@@ -70,7 +87,7 @@ class ChromaIndex:
             try:
                 self.client = chromadb.PersistentClient(path=str(path), settings=settings)
             except Exception as e:  # noqa: BLE001 - chroma raises its own InternalError types
-                raise IndexDamagedError(self.db, str(e)) from None
+                raise IndexDamagedError(self.db, _reason(e)) from None
         try:
             self.col = self.client.get_or_create_collection(
                 collection, embedding_function=None, metadata={"hnsw:space": "cosine"}
@@ -78,7 +95,7 @@ class ChromaIndex:
         except Exception as e:  # noqa: BLE001
             if self.db is None:
                 raise
-            raise IndexDamagedError(self.db, str(e)) from None
+            raise IndexDamagedError(self.db, _reason(e)) from None
 
     def delete_where_source(self, source: str) -> list[str]:
         """Delete every chunk of ``source`` (whatever version); returns their kv keys."""

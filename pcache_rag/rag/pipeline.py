@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..recompute import Recompute
 from ..fsutil import quarantine
-from .chunking import SkipFile, read_document, scan, split_tokens
+from .chunking import SUPPORTED, SkipFile, read_document, scan, split_tokens
+from .extract import release as release_reader
 from .embed import MiniLMEmbedder
 from .index import ChromaIndex, IndexDamagedError
 
@@ -101,14 +103,16 @@ class VerifyReport:
     duplicates: list[str] = field(default_factory=list)  # chunk ids whose (source, chunk) appears twice
     missing_sources: list[str] = field(default_factory=list)  # indexed files that no longer exist
     store: list[str] = field(default_factory=list)  # problems of the disk tier (rows vs files)
+    pending_uploads: list[str] = field(default_factory=list)  # uploaded files an interrupted ingest left
 
     @property
     def clean(self) -> bool:
-        return not (self.missing_states or self.stale or self.duplicates or self.missing_sources or self.store)
+        return not (self.missing_states or self.stale or self.duplicates or self.missing_sources or self.store
+                    or self.pending_uploads)
 
     def lines(self) -> list[str]:
         out = []
-        for name in ("missing_states", "stale", "duplicates", "missing_sources"):
+        for name in ("missing_states", "stale", "duplicates", "missing_sources", "pending_uploads"):
             v = getattr(self, name)
             if v:
                 out.append(f"{len(v)} {name.replace('_', ' ')}: {', '.join(v[:5])}{' ...' if len(v) > 5 else ''}")
@@ -168,6 +172,10 @@ class CachedRAG:
         self.chroma_url = chroma_url
         self._index: ChromaIndex | None = None
         self._index_error: Exception | None = None
+        #: the manifest's commit counter this process has seen (see :meth:`refresh`)
+        self.generation = int(self.manifest.get("generation", 0))
+        self._refresh_lock = threading.RLock()
+        self._ingesting = 0  # ingests running in this process (their commits are our own)
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
         self.asm = Assembler(self.pc, system_prompt)
@@ -187,6 +195,28 @@ class CachedRAG:
                                         f"it lists no chunks, but the index had {n}")
         except IndexDamagedError as e:
             self._index, self._index_error = None, e
+
+    def refresh(self, force: bool = False) -> bool:
+        """See every ingest committed since this process last looked, by any process.
+
+        Every commit (an ingest's file, a prune, a repair) bumps the manifest's ``generation``;
+        a different number on disk means another process changed the index, and chroma's
+        in-memory vector index is stale (it would name chunks that are gone), so it is opened
+        again. One small file read per call; returns True when the index was reopened. Skipped
+        while an ingest of this process runs: it holds the index's lock, so nobody else commits."""
+        with self._refresh_lock:
+            if self._ingesting and not force:
+                return False
+            m = _read_manifest(self.index_dir, quiet=True)
+            gen = int(m.get("generation", 0))
+            if gen == self.generation and not force:
+                return False
+            if m:
+                self.manifest = m
+            self.generation = gen
+            log.info("the index %s changed (generation %d): reopening it", self.index_dir, gen)
+            self._open_index()
+            return True
 
     @property
     def index(self) -> ChromaIndex:
@@ -281,12 +311,20 @@ class CachedRAG:
             raise ValueError(f"encode must be 'eager' or 'lazy', not {encode!r}")
         t0 = time.perf_counter()
         rep = IngestReport()
-        files, skipped = scan(paths)  # validates paths before any work
+        files, skipped = scan(paths, exclude=[self.index_dir])  # validates paths before any work
         rep.skipped.extend((str(p), r) for p, r in skipped)
         lock = self._lock()
+        with self._refresh_lock:
+            self.refresh()  # what other processes committed, before this one adds to it
+            self._ingesting += 1
         try:
             if self._index is None:
                 rep.rebuilt_from = self._rebuild_index()
+            pending = [f for f in self.pending_uploads() if f not in set(files)]
+            if pending:
+                rep.notes.append(f"indexing {len(pending)} uploaded files that an interrupted ingest left in "
+                                 f"{self.upload_dir}")
+                files = sorted([*files, *pending])
             roots = [Path(p).expanduser().absolute() for p in paths]
             self._ingest_locked(files, roots, rep, progress, encode, on_progress)
             if encode == "eager":
@@ -295,11 +333,77 @@ class CachedRAG:
                 rep.pruned = self.prune()
             if repair:
                 rep.repaired = self.repair()
-            self._write_manifest()
+            if encode == "eager" or repair:
+                self._check_kept(rep)
+            self._set_aside_skipped_uploads(rep)
+            self._commit()
         finally:
+            release_reader()  # the document reader's child process ends: its memory goes back
+            with self._refresh_lock:
+                self._ingesting -= 1
             lock.release()
         rep.seconds = time.perf_counter() - t0
         return rep
+
+    # ------------------------------------------------------------------ uploads
+
+    @property
+    def upload_dir(self) -> Path:
+        """Where the web app keeps uploaded files (``<index>/uploads``)."""
+        return self.index_dir / "uploads"
+
+    def pending_uploads(self, folder: str | Path | None = None) -> list[Path]:
+        """Uploaded files (in ``folder``, default :attr:`upload_dir`) that no chunk comes from:
+        left by an ingest that was killed. Files an ingest skipped are moved to
+        ``.skipped/`` there, so they are not pending forever."""
+        d = Path(folder) if folder is not None else self.upload_dir
+        if not d.is_dir():
+            return []
+        found = [f.resolve() for f in d.iterdir()
+                 if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in SUPPORTED]
+        if not found:
+            return []
+        have = set(self.index.sources())
+        return sorted(f for f in found if str(f) not in have)
+
+    def _set_aside_skipped_uploads(self, rep: IngestReport) -> None:
+        root = self.upload_dir.resolve()
+        for path, why in rep.skipped:
+            p = Path(path)
+            if p.parent.resolve() == root and p.is_file():
+                dest = root / ".skipped" / p.name
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(p, dest)
+                rep.notes.append(f"{p.name}: moved to {dest.parent} ({why})")
+
+    # ------------------------------------------------------------------ the store's budget
+
+    def _persisted(self, key: str) -> bool:
+        """Whether ``key``'s states are in the store's persistent tier (what a new process finds)."""
+        disk = getattr(self.pc.store, "disk", None)
+        return disk.contains(key) if disk is not None else self.pc.store.contains(key)
+
+    def _budget_room(self) -> int | None:
+        """Bytes the disk tier can still take within its budget (None: no budget)."""
+        disk = getattr(self.pc.store, "disk", None)
+        if disk is None:
+            return None
+        return int(disk.size_limit) - int(disk.stats().bytes)
+
+    def _check_kept(self, rep: IngestReport) -> None:
+        """An ingest never reports success with states missing: chunks whose states the store
+        did not keep (evicted to stay within its budget) are marked lazy (encoded on first use),
+        and the report says so."""
+        lost = [(cid, m) for cid, m in self.index.chunks() if not m.get("lazy") and not self._persisted(m["kv_key"])]
+        if not lost:
+            return
+        self.index.update_metadata([c for c, _ in lost], [{**m, "lazy": True} for _c, m in lost])
+        rep.chunks_lazy += len(lost)
+        msg = (f"the store kept the states of all but {len(lost)} chunks within its budget of "
+               f"{_human(_store_budget(self.pc.store))}: those are now encoded on first use (raise --disk-budget "
+               f"to keep them)")
+        rep.notes.append(msg)
+        log.warning(msg)
 
     def _say(self, progress: bool, msg: str) -> None:
         if progress:
@@ -366,13 +470,16 @@ class CachedRAG:
         rep.projected_bytes = rep.projected_tokens * bpt
         if encode == "eager" and todo:
             budget = _store_budget(self.pc.store)
+            room = self._budget_room()
             self._say(progress, f"to encode: {len(todo)} chunks, {rep.projected_tokens} tokens, "
-                                f"{_human(rep.projected_bytes)} of states (store budget {_human(budget)})")
-            if budget is not None and rep.projected_bytes > budget:
+                                f"{_human(rep.projected_bytes)} of states (store budget {_human(budget)}"
+                                + (f", {_human(max(room, 0))} free)" if room is not None else ")"))
+            if room is not None and rep.projected_bytes > room:
                 raise IngestTooLargeError(
                     f"encoding {len(todo)} chunks ({rep.projected_tokens} tokens) needs {_human(rep.projected_bytes)} "
-                    f"of states, more than the store's budget of {_human(budget)}; ingest with "
-                    f"--encode lazy (states made on first use), a larger --disk-budget, or fewer files"
+                    f"of states, but the store's budget of {_human(budget)} has {_human(max(room, 0))} free (it holds "
+                    f"{_human(budget - room)}); ingest with --encode lazy (states made on first use), a larger "
+                    f"--disk-budget, or fewer files"
                 )
         # 3. encode, then commit each file to chroma (states first: chroma never names a
         #    chunk without states, so a killed ingest resumes without re-encoding)
@@ -413,6 +520,7 @@ class CachedRAG:
             # Reconcile by source: every earlier version of this file goes, whoever wrote it.
             old_keys = self.index.delete_where_source(src)
             self.index.add(cids, embs, docs, metas)
+            self._commit()  # readers in other processes see this file from now on
             self._release(set(old_keys) - set(keys))
             if bar:
                 bar.update(len(chunks) - done_here)
@@ -456,6 +564,7 @@ class CachedRAG:
         """How many chunks have states: ``chunks`` (and ``documents``) in the index, ``lazy``
         indexed without states, ``hot`` lazy ones whose states were made on first use, ``cold``
         the rest. Reads every chunk's metadata once."""
+        self.refresh()
         chunks = self.index.chunks()
         lazy = [m["kv_key"] for _cid, m in chunks if m.get("lazy")]
         hot = sum(self.pc.store.contains(k) for k in lazy)
@@ -484,12 +593,20 @@ class CachedRAG:
                 self._drop(ids, keys)
                 n += 1
         if n:
-            self._write_manifest()
+            self._commit()
         return n
 
     def verify(self, store: bool = True) -> VerifyReport:
         """Check the index against the files and the store (see :class:`VerifyReport`)."""
+        try:
+            return self._verify(store)
+        finally:
+            release_reader()
+
+    def _verify(self, store: bool) -> VerifyReport:
+        self.refresh()
         rep = VerifyReport()
+        rep.pending_uploads = [str(f) for f in self.pending_uploads()]
         chunks = self.index.chunks()
         current: dict[str, str | None] = {}
         for _cid, m in chunks:
@@ -504,7 +621,7 @@ class CachedRAG:
             if cur is not None and m["sha"] != cur:
                 rep.stale.append(cid)
             seen.setdefault((m["source"], int(m["chunk"])), []).append((cid, m))
-            if not m.get("lazy") and not self.pc.store.contains(m["kv_key"]):
+            if not m.get("lazy") and not self._persisted(m["kv_key"]):
                 rep.missing_states.append(cid)
         for (_src, _i), group in seen.items():
             if len(group) > 1:
@@ -538,28 +655,58 @@ class CachedRAG:
                 self._ingest_locked([Path(s) for s in again], [], IngestReport(), False, "eager")
                 fixed.append(f"re-ingested {len(again)} files that had no current version")
         if v.missing_states:
-            n = self._encode_indexed(v.missing_states)
-            fixed.append(f"encoded {n} chunks whose states were missing")
+            chunks = dict(self.index.chunks())
+            need = sum(int(chunks[c].get("n_tokens", 0)) for c in v.missing_states if c in chunks)
+            bpt = self.pc.adapter.kv_shape.bytes_per_token(_element_size(self.pc.store_dtype))
+            room = self._budget_room()
+            if room is not None and need * bpt > room:
+                ids = [c for c in v.missing_states if c in chunks]
+                self.index.update_metadata(ids, [{**chunks[c], "lazy": True} for c in ids])
+                fixed.append(f"{len(ids)} chunks whose states were missing need {_human(need * bpt)}, more than the "
+                             f"{_human(max(room, 0))} the store's budget has free: marked to encode on first use")
+            else:
+                n = self._encode_indexed(v.missing_states)
+                fixed.append(f"encoded {n} chunks whose states were missing")
         return fixed
 
-    def _write_manifest(self) -> None:
+    def _commit(self) -> None:
+        """Write the manifest with the next ``generation``: every process serving this index
+        sees the change at its next question (:meth:`refresh`). Called under the ingest lock."""
         try:
             n = self.index.count()
         except Exception:  # noqa: BLE001 - a count that fails leaves the old manifest
             return
-        self.manifest = {"format": _FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n}
-        tmp = self.index_dir / (MANIFEST + ".tmp")
+        on_disk = int(_read_manifest(self.index_dir, quiet=True).get("generation", 0))
+        self.generation = max(on_disk, self.generation) + 1
+        self.manifest = {"format": _FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n,
+                         "generation": self.generation}
+        tmp = self.index_dir / (MANIFEST + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.manifest, indent=1))
         os.replace(tmp, self.index_dir / MANIFEST)
 
     # ------------------------------------------------------------------ retrieve and answer
 
-    def retrieve(self, question: str, k: int | None = None, prefetch: bool = True) -> list[ModuleHandle]:
+    def retrieve(self, question: str, k: int | None = None, prefetch: bool = True,
+                 notes: list[str] | None = None) -> list[ModuleHandle]:
         """The ``k`` closest chunks as handles, best first; their states start moving to the
-        fastest tier at once (``prefetch``)."""
+        fastest tier at once (``prefetch``). Sees every ingest committed by any process
+        (:meth:`refresh`); what cannot be used is said in ``notes`` (when given) and the log."""
         k = self.k if k is None else _check_k(k)
         _check_question(question)
-        hits = self.index.query(self.embedder.embed([question])[0], k)
+        self.refresh()
+        emb = self.embedder.embed([question])[0]
+        hits = self.index.query(emb, k)
+        if any(doc is None or meta is None for _cid, _s, doc, meta in hits):
+            # chunks that vanished since chroma's vector index was loaded: look again
+            self.refresh(force=True)
+            hits = self.index.query(emb, k)
+        gone = [cid for cid, _s, doc, meta in hits if doc is None or meta is None]
+        if gone:
+            hits = [h for h in hits if h[2] is not None and h[3] is not None]
+            msg = f"{len(gone)} retrieved chunks were removed by an ingest meanwhile and are left out"
+            log.warning(msg)
+            if notes is not None:
+                notes.append(msg)
         handles = [
             ModuleHandle(
                 id=cid, score=score, kv_key=meta["kv_key"], source=meta["source"], text=doc,
@@ -724,7 +871,7 @@ def check_index_dir(path: str | Path, create: bool = True) -> Path:
     return p
 
 
-def _read_manifest(index_dir: Path) -> dict:
+def _read_manifest(index_dir: Path, quiet: bool = False) -> dict:
     f = index_dir / MANIFEST
     if not f.exists():
         return {}
@@ -734,7 +881,8 @@ def _read_manifest(index_dir: Path) -> dict:
             raise ValueError("unknown format")
         return m
     except (ValueError, UnicodeDecodeError, OSError) as e:
-        log.warning("index manifest %s is unreadable (%s); it is rewritten at the next ingest", f, e)
+        if not quiet:
+            log.warning("index manifest %s is unreadable (%s); it is rewritten at the next ingest", f, e)
         return {}
 
 

@@ -1,21 +1,42 @@
 """``pcache-rag serve``: the document-QA web app and the OpenAI-compatible API.
 
 :func:`create_app` builds the FastAPI app around an :class:`AnswerService` (one answering
-worker behind a bounded queue); :func:`serve` runs it with uvicorn. Needs the ``serve``
-extra (FastAPI, uvicorn, sse-starlette, python-multipart).
+worker behind a bounded queue); :func:`serve` runs it with uvicorn, behind the checks of
+:mod:`.guard` (allowed hosts, same-origin writes, an optional API key, body limits, a
+connection cap and a header timeout). Needs the ``serve`` extra (FastAPI, uvicorn,
+sse-starlette, python-multipart).
 """
 
 from .app import create_app
 from .service import AnswerService, Busy, RequestError
 
-__all__ = ["AnswerService", "Busy", "RequestError", "create_app", "serve"]
+__all__ = ["AnswerService", "Busy", "RequestError", "create_app", "serve", "server_config"]
+
+
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connections: int | None = None,
+                  header_timeout: float = 10.0, log_level: str = "info"):
+    """The ``uvicorn.Config`` :func:`serve` runs: h11 with at most ``max_connections`` held
+    (default: well under the file descriptor limit) and request headers due within
+    ``header_timeout`` seconds."""
+    import uvicorn
+
+    from .guard import default_max_connections, guarded_protocol
+
+    proto = guarded_protocol(max_connections or default_max_connections(), header_timeout)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=proto,
+                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
 
 
 def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, max_new_tokens: int = 128,
-          max_upload_mb: float = 20.0, log_level: str = "info") -> None:
-    """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted."""
+          max_upload_mb: float = 20.0, log_level: str = "info", allowed_hosts=None, api_key: str | None = None,
+          max_connections: int | None = None, header_timeout: float = 10.0) -> None:
+    """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted. ``allowed_hosts``
+    defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`)."""
     import uvicorn
 
+    from .guard import allowed_hosts_for
+
     app = create_app(AnswerService(rag, max_queue=max_queue, max_new_tokens=max_new_tokens),
-                     max_upload_mb=max_upload_mb)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+                     max_upload_mb=max_upload_mb, api_key=api_key,
+                     allowed_hosts=allowed_hosts if allowed_hosts is not None else allowed_hosts_for(host))
+    uvicorn.Server(server_config(app, host, port, max_connections, header_timeout, log_level)).run()

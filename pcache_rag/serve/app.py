@@ -23,6 +23,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..rag.chunking import SUPPORTED
+from .guard import LOOPBACK_NAMES, Guard
 from .http import body_json, error, events_of, first_event
 from .openai_api import router as openai_router
 from .service import AnswerService, Busy, RequestError
@@ -45,19 +46,28 @@ def safe_upload_name(name: str | None) -> str:
     return clean
 
 
-def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
+def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_hosts=LOOPBACK_NAMES,
+               api_key: str | None = None, max_request_mb: float | None = None, max_json_kb: int = 2048) -> FastAPI:
     """The app around ``service``; it starts the service's worker on startup and stops it
-    on shutdown. ``max_upload_mb`` bounds each uploaded file."""
+    on shutdown. ``max_upload_mb`` bounds each uploaded file and ``max_request_mb`` one upload
+    request (default: 8 files' worth); ``max_json_kb`` bounds every other body. Requests pass
+    :class:`~.guard.Guard` first: ``Host`` among ``allowed_hosts`` (``"*"``: any),
+    state-changing requests from this server's own origin only, and with ``api_key`` a bearer
+    token on ``/v1`` and ``/api``."""
     @asynccontextmanager
     async def lifespan(app):
         await asyncio.to_thread(service.warm)
         service.start()
+        await asyncio.to_thread(service.resume_uploads)
         yield
         service.stop()
 
     app = FastAPI(title="pcache-rag", summary="document QA from cached attention states", lifespan=lifespan)
     app.state.service = service
     max_bytes = int(max_upload_mb * 1024 * 1024)
+    request_bytes = int((max_request_mb if max_request_mb is not None else 8 * max_upload_mb) * 1024 * 1024)
+    app.add_middleware(Guard, allowed_hosts=tuple(allowed_hosts), api_key=api_key, json_limit=int(max_json_kb) * 1024,
+                       upload_limit=request_bytes + (64 << 10))  # room for the form's own framing
 
     @app.exception_handler(RequestError)
     async def _request_error(_req, e: RequestError):
@@ -75,7 +85,9 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, e: StarletteHTTPException):
-        return error(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "invalid_request_error")
+        code = {404: "not_found", 413: "request_too_large", 405: "method_not_allowed"}.get(e.status_code)
+        return error(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "invalid_request_error",
+                     code=code)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -102,6 +114,10 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0) -> FastAPI:
             raise RequestError("no file was uploaded")
         service.check_ingest_idle()  # before writing anything
         names = [safe_upload_name(f.filename) for f in files]  # refuse the lot before writing any
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise RequestError(f"two files in this upload have the same name ({', '.join(twice)}): rename one, or "
+                               f"upload them separately (the later one replaces the earlier)")
         service.upload_dir.mkdir(parents=True, exist_ok=True)
         root = service.upload_dir.resolve()
         saved = []

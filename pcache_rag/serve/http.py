@@ -13,18 +13,28 @@ from fastapi.responses import JSONResponse
 from .service import Job, RequestError
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None):
+def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,
+          code: str | None = None, param: str | None = None):
+    """A JSON error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
     headers = {"Retry-After": str(retry_after)} if retry_after else None
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 async def body_json(request: Request) -> dict:
-    """The request body as a JSON object, or :class:`RequestError` saying what is wrong."""
+    """The request body as a JSON object, or :class:`RequestError` saying what is wrong.
+    Only ``application/json`` bodies are read: a form or ``text/plain`` post, which a page on
+    another site can send without asking, is refused (415)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise RequestError(f"the body must be sent as Content-Type: application/json, not {kind or 'nothing'!r}", 415)
     raw = await request.body()
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
     return data

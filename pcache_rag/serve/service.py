@@ -127,6 +127,22 @@ class AnswerService:
         self.rag.embedder.embed(["warm up"])
         self.rag.preamble()
 
+    def resume_uploads(self) -> list[str]:
+        """Finish what a killed server left: uploads saved but never indexed are ingested in the
+        background, and half-written ``.part`` files are removed. Returns the names resumed."""
+        for part in self.upload_dir.glob(".*.part") if self.upload_dir.is_dir() else ():
+            part.unlink(missing_ok=True)
+        try:
+            pending = self.rag.pending_uploads(self.upload_dir)
+        except Exception as e:  # noqa: BLE001 - a damaged index is reported by the status panel
+            log.warning("cannot look for unindexed uploads: %s", e)
+            return []
+        if pending:
+            log.warning("%d uploaded files were never indexed (an ingest was interrupted): indexing them now",
+                        len(pending))
+            self.ingest(pending, label=[p.name for p in pending])
+        return [p.name for p in pending]
+
     def stop(self, timeout: float = 10.0) -> None:
         if self._worker is not None and self._worker.is_alive():
             while True:  # make room for the sentinel: waiting jobs are cancelled
@@ -157,6 +173,11 @@ class AnswerService:
             raise RequestError("the question is empty")
         if len(q) > MAX_QUESTION_CHARS:
             raise RequestError(f"the question is {len(q)} characters; the limit is {MAX_QUESTION_CHARS}", 413)
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry "\ud800"; no tokenizer can read it
+            raise RequestError(f"the question is not valid Unicode: it holds an unpaired surrogate "
+                               f"({q[e.start].encode('unicode_escape').decode()}) at character {e.start}") from None
         return q
 
     def submit(self, question: str, k: int | None = None, compare: bool = False, **gen) -> Job:
@@ -214,7 +235,7 @@ class AnswerService:
         if self.ingest_state.running:
             notes.append(f"ingestion is running: this answer uses the {rag.index.count()} chunks indexed so far")
         try:
-            handles = rag.retrieve(job.question, job.k)
+            handles = rag.retrieve(job.question, job.k, notes=notes)
             retrieve_s = time.perf_counter() - t0
             stream = rag.stream(job.question, handles=handles, **job.gen)
         except (ContextOverflowError, ValueError, TypeError) as e:

@@ -79,11 +79,19 @@ def decode_entry(key: str, data: bytes) -> ModuleKV:
 
 
 def _is_damage(e: BaseException) -> bool:
-    """SQLite errors that mean a damaged file (not a busy or locked one)."""
-    msg = str(e).lower()
+    """Errors that mean a damaged file (not a busy or locked one): SQLite's own, and text
+    that cannot be decoded (a flipped byte in the schema makes even the error text undecodable)."""
+    if isinstance(e, UnicodeDecodeError):
+        return True
+    msg = str(e).encode("utf-8", "backslashreplace").decode().lower()
     return isinstance(e, sqlite3.DatabaseError) and any(
-        w in msg for w in ("malformed", "not a database", "corrupt", "no such table", "disk i/o error")
+        w in msg for w in ("malformed", "not a database", "corrupt", "no such table", "disk i/o error",
+                           "no such column", "unsupported file format", "schema")
     )
+
+
+def _printable(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class DiskTier(KVStore):
@@ -96,6 +104,8 @@ class DiskTier(KVStore):
         self.directory.mkdir(parents=True, exist_ok=True)
         if size_limit is None:
             size_limit = int(min(shutil.disk_usage(self.directory).free * 0.5, 64 << 30))
+        elif isinstance(size_limit, bool) or not size_limit > 0:
+            raise ValueError(f"the disk budget must be a positive number of bytes, not {size_limit!r}")
         if policy not in _DC_POLICY:
             raise ValueError(f"disk eviction policy must be one of {sorted(_DC_POLICY)}, not {policy!r}")
         self.size_limit = int(size_limit)
@@ -111,14 +121,18 @@ class DiskTier(KVStore):
             if db.exists() and db.stat().st_size > 0:
                 con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
                 try:
+                    con.text_factory = bytes  # damaged schema text must not fail the check itself
                     res = con.execute("PRAGMA quick_check").fetchone()
                 finally:
                     con.close()
-                if not res or res[0] != "ok":
-                    raise sqlite3.DatabaseError(f"database disk image is malformed ({res[0] if res else 'no answer'})")
+                if not res or res[0] != b"ok":
+                    shown = res[0].decode("utf-8", "backslashreplace")[:200] if res else "no answer"
+                    raise sqlite3.DatabaseError(f"database disk image is malformed ({shown})")
             return self._make()
-        except sqlite3.DatabaseError as e:
-            if not _is_damage(e):
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            # any failure to read the database is damage, except SQLite's operational errors
+            # (locked, busy, cannot open: another process or the permissions) that are not
+            if isinstance(e, sqlite3.OperationalError) and not _is_damage(e):
                 raise
             return self._rebuild(e)
 
@@ -142,7 +156,7 @@ class DiskTier(KVStore):
         self.quarantined.append(moved)
         self._stats.corrupt += 1
         log.warning("KV store index %s is damaged (%s): moved to %s, starting empty; states are re-encoded on use",
-                    self.directory / "cache.db", err, moved)
+                    self.directory / "cache.db", _printable(err), moved)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._dc = self._make()
         return self._dc
@@ -151,7 +165,7 @@ class DiskTier(KVStore):
         """Run a diskcache call; on database damage rebuild once and run it again."""
         try:
             return fn(self._dc, *args, **kw)
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
             if not _is_damage(e):
                 raise
             self._rebuild(e)

@@ -16,9 +16,14 @@ Parts and header are written in one MULTI/EXEC transaction, so a reader sees all
 nothing. The server's own eviction (``maxmemory`` + ``maxmemory-policy allkeys-lru``) is
 the budget: an entry with a part evicted reads as a miss and is removed.
 
-A server that is down or slow (socket timeouts) never fails an answer: the tier logs one
-warning, counts itself down, and is skipped for ``retry_s`` seconds; after that it tries
-again and says when it is back. Nothing is unpickled: values are raw bytes.
+A server that is down or slow (socket timeouts), or that does not speak Redis (a URL that
+points at an HTTP port), never fails an answer: the tier logs one warning, counts itself
+down, and is skipped for ``retry_s`` seconds; after that it tries again and says when it
+is back. Every other Redis error (a full server with ``noeviction``, a key of another type,
+a read-only replica, missing permissions) is a miss or a skipped write for that call, with
+one warning per kind of error. A header is checked against sane bounds (at most
+:data:`MAX_PARTS` parts of at least one byte, at most :data:`MAX_ENTRY_BYTES`) before any
+part is read. Nothing is unpickled: values are raw bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from .disk import decode_entry, encode_entry
 
 log = logging.getLogger(__name__)
 _HEADER = "pcache-remote-1"
+#: bounds a header must meet before its parts are read (a header claiming millions of parts
+#: would cost seconds per read)
+MAX_PARTS = 4096
+MAX_ENTRY_BYTES = 64 << 30
 
 
 class RemoteTier(KVStore):
@@ -51,40 +60,64 @@ class RemoteTier(KVStore):
         self.prefix = prefix
         self.part_bytes = int(part_bytes)
         self.retry_s = float(retry_s)
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        # the server is unreachable, slow, or not a Redis server: skip the tier for a while
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.InvalidResponse, OSError)
+        # the server answered with an error for this call: a miss or a skipped write
+        self._refusals = (redis.exceptions.RedisError,)
+        self._warned: set[str] = set()
         self._r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                        health_check_interval=30)
         self._stats = TierStats()
         self._down_until = 0.0
         self._down = False
         self._lock = threading.Lock()
-        self.failures = 0  # calls that found the server down or slow
+        self.failures = 0  # calls that found the server down, slow, or refusing
         self._counted_at = -1e9
 
     # ------------------------------------------------------------------ availability
 
     def _call(self, what: str, fn, default):
-        """Run ``fn(redis)``; if the server is down or slow, warn once, skip the tier for
-        ``retry_s`` seconds and return ``default``."""
+        """Run ``fn(redis)``. If the server is down, slow or not Redis, warn once, skip the
+        tier for ``retry_s`` seconds and return ``default``; if it refuses this call (any other
+        Redis error), return ``default`` with one warning per kind of error."""
         if self._down and time.monotonic() < self._down_until:
             return default
         try:
             out = fn(self._r)
-        except self._errors as e:
+        except self._refusals as e:
+            if isinstance(e, self._errors):
+                return self._went_down(what, e, default)
+            kind = f"{type(e).__name__} {str(e).split(' ', 1)[0]}"
             with self._lock:
                 self.failures += 1
-                if not self._down:
-                    log.warning("remote KV tier %s is unreachable (%s: %s) during %s: answering from local "
-                                "tiers; retrying every %gs", self._shown(), type(e).__name__, e, what, self.retry_s)
-                self._down = True
-                self._down_until = time.monotonic() + self.retry_s
+                first = kind not in self._warned
+                self._warned.add(kind)
+            if first:
+                log.warning("remote KV tier %s refused %s (%s: %s): %s; warned once for this kind of error",
+                            self._shown(), what, type(e).__name__, e,
+                            "the write is skipped" if what == "put" else "read as a miss")
             return default
+        except self._errors as e:
+            return self._went_down(what, e, default)
         if self._down:
             with self._lock:
                 if self._down:
                     log.warning("remote KV tier %s is back", self._shown())
                     self._down = False
         return out
+
+    def _went_down(self, what: str, e: BaseException, default):
+        """Count the tier down for ``retry_s`` seconds (one warning until it is back)."""
+        with self._lock:
+            self.failures += 1
+            if not self._down:
+                log.warning("remote KV tier %s is unreachable or not a Redis server (%s: %s) during %s: answering "
+                            "from local tiers; retrying every %gs", self._shown(), type(e).__name__, e, what,
+                            self.retry_s)
+            self._down = True
+            self._down_until = time.monotonic() + self.retry_s
+        return default
 
     def _shown(self) -> str:
         """The URL without a password."""
@@ -198,11 +231,15 @@ class RemoteTier(KVStore):
 
 
 def _parse_head(head: bytes) -> tuple[int, int]:
-    """``(parts, bytes)`` from an entry's header; ``ValueError`` if it is not one."""
-    tag, n, size = head.decode().split()
-    if tag != _HEADER or int(n) < 1 or int(size) < 0:
+    """``(parts, bytes)`` from an entry's header; ``ValueError`` if it is not one or its
+    numbers are out of bounds (checked before any part is read)."""
+    if not isinstance(head, bytes) or len(head) > 64:
         raise ValueError(f"not a {_HEADER} header")
-    return int(n), int(size)
+    tag, n, size = head.decode("ascii").split()
+    n, size = int(n), int(size)
+    if tag != _HEADER or not 1 <= n <= MAX_PARTS or not 0 <= size <= MAX_ENTRY_BYTES or n > max(size, 1):
+        raise ValueError(f"not a {_HEADER} header, or out of bounds")
+    return n, size
 
 
 def _batched(it, n: int):

@@ -15,6 +15,44 @@ function human(bytes) {
 
 function ms(s) { return `${(s * 1000).toFixed(0)} ms`; }
 
+// ---------------------------------------------------------------- the API key
+// A server started with --api-key answers /api only with "Authorization: Bearer KEY". The
+// page asks once (on the first 401) and keeps the key in sessionStorage: this tab only,
+// gone when it closes. Every call goes through api(), which adds the key.
+
+let keyWaiters = [];
+
+function askForKey() {
+  $("key-form").hidden = false;
+  $("api-key").focus();
+  return new Promise((resolve) => keyWaiters.push(resolve));
+}
+
+$("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const key = $("api-key").value.trim();
+  if (!key) return;
+  sessionStorage.setItem("pcache-api-key", key);
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  const waiting = keyWaiters;
+  keyWaiters = [];
+  for (const w of waiting) w();
+});
+
+async function api(path, opts = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem("pcache-api-key");
+    const headers = Object.assign({}, opts.headers || {});
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const resp = await fetch(path, Object.assign({}, opts, { headers }));
+    if (resp.status !== 401) return resp;
+    sessionStorage.removeItem("pcache-api-key");
+    showError(key ? "The API key was not accepted: enter it again." : "");
+    await askForKey();
+  }
+}
+
 function showError(msg) {
   const e = $("error");
   e.textContent = msg || "";
@@ -83,7 +121,7 @@ function renderStatus(s) {
 
 async function refresh() {  // one poll; the loop below keeps the panel current
   try {
-    const r = await fetch("/api/status");
+    const r = await api("/api/status");
     if (r.ok) renderStatus(await r.json());
   } catch (_) { /* the server restarts: the next tick tries again */ }
 }
@@ -108,11 +146,11 @@ $("upload-btn").addEventListener("click", async () => {
   if (!files.length) { showError("Choose one or more files first."); return; }
   const form = new FormData();
   for (const f of files) form.append("files", f, f.name);
-  await startIngest(await fetch("/api/documents", { method: "POST", body: form }));
+  await startIngest(await api("/api/documents", { method: "POST", body: form }));
 });
 
 $("sample-btn").addEventListener("click", async () => {
-  await startIngest(await fetch("/api/sample", { method: "POST" }));
+  await startIngest(await api("/api/sample", { method: "POST" }));
 });
 
 // ---------------------------------------------------------------- questions
@@ -173,7 +211,7 @@ $("ask-form").addEventListener("submit", async (ev) => {
   $("ask-btn").disabled = true;
   try {
     const t0 = performance.now();
-    const resp = await fetch("/api/ask", {
+    const resp = await api("/api/ask", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ question, compare }),

@@ -1,0 +1,172 @@
+"""Reading PDF, Word and HTML files in a child process with a memory limit.
+
+A small compressed file can expand without bound when parsed: a 120 KB ``.docx`` of empty
+paragraphs is 60 MB of XML and gigabytes of parsed tree, a 1 MB PDF stream inflates to
+1 GiB. Limits inside the parsers (the zip directory checked before parsing, pypdf's own
+output limits, a cap on the extracted text; see :mod:`.chunking`) catch the known shapes;
+this module is the backstop for the unknown ones. The parsers run in one long-lived child
+process per ingest whose address space is capped with ``resource.setrlimit(RLIMIT_AS)``,
+so no single file can take the caller's (a server's) memory, and what the child grew to
+is returned to the system when it exits at the end of the ingest.
+
+The child is this file run as a script (``python extract.py``): it loads the sibling
+``chunking.py`` by path, so it starts in a fraction of a second without importing torch
+or the rest of the package. It reads one JSON request per line on stdin and answers one
+JSON line on stdout. A file that needs more memory than the limit, takes longer than the
+timeout, or crashes the child is a :class:`~.chunking.SkipFile` with that reason; the
+child is started again for the next file.
+
+Plain text formats are read in the caller: their size on disk bounds their memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+#: address space of the reading process, in bytes (the parsers' working memory: html.parser
+#: trees take about 40 bytes per byte of HTML)
+MEMORY_LIMIT = 2 << 30
+#: seconds one file may take to read
+TIMEOUT_S = 300.0
+
+
+class Extractor:
+    """A child process that reads documents under ``memory_limit`` bytes of address space,
+    one file at a time (thread-safe). Use as a context manager, or :meth:`close` it."""
+
+    def __init__(self, memory_limit: int = MEMORY_LIMIT, timeout_s: float = TIMEOUT_S):
+        self.memory_limit = int(memory_limit)
+        self.timeout_s = float(timeout_s)
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+        env["PCACHE_RAG_EXTRACT_LIMIT"] = str(self.memory_limit)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-u", str(Path(__file__).resolve())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=None, env=env, text=True, encoding="utf-8", errors="surrogateescape",
+        )
+        return self._proc
+
+    def read(self, path: str | Path):
+        """The :class:`~.chunking.Document` of ``path``; :class:`~.chunking.SkipFile` says why not."""
+        from .chunking import Document, SkipFile
+
+        with self._lock:
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            try:
+                proc.stdin.write(json.dumps({"path": str(path)}) + "\n")
+                proc.stdin.flush()
+                ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+                line = proc.stdout.readline() if ready else None
+            except (BrokenPipeError, OSError):
+                line = ""
+            if line is None:
+                self._kill()
+                raise SkipFile(f"reading it took longer than {self.timeout_s:g} s")
+            if not line:
+                code = proc.wait()
+                self._proc = None
+                raise SkipFile(f"the reader process died while reading it (exit {code}); it may need more than "
+                               f"{self.memory_limit >> 20} MB of memory")
+            reply = json.loads(line)
+            if reply.get("exit"):  # the child ran out of memory and ends: start afresh next time
+                proc.wait()
+                self._proc = None
+        if "skip" in reply:
+            raise SkipFile(reply["skip"])
+        d = reply["doc"]
+        return Document(d["text"], d["encoding"], d["note"], tuple(d["pages"]))
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        """Stop the child (its memory goes back to the system); the next read starts a new one."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                try:
+                    self._proc.stdin.close()
+                    self._proc.wait(10)
+                except (OSError, subprocess.TimeoutExpired):
+                    self._kill()
+            self._proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_shared: Extractor | None = None
+_shared_lock = threading.Lock()
+
+
+def extract(path: str | Path):
+    """Read ``path`` through the process-wide :class:`Extractor` (started on first use)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Extractor()
+        ex = _shared
+    return ex.read(path)
+
+
+def release() -> None:
+    """Stop the process-wide reader, returning its memory (called at the end of an ingest)."""
+    with _shared_lock:
+        ex = _shared
+    if ex is not None:
+        ex.close()
+
+
+def _serve() -> None:  # the child
+    import importlib.util
+    import logging
+    import resource
+
+    limit = int(os.environ.get("PCACHE_RAG_EXTRACT_LIMIT", MEMORY_LIMIT))
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    logging.basicConfig(level=logging.ERROR)  # pypdf's warnings about odd files stay quiet
+    spec = importlib.util.spec_from_file_location("pcache_rag_chunking", Path(__file__).with_name("chunking.py"))
+    chunking = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = chunking  # dataclasses resolve their module by name
+    spec.loader.exec_module(chunking)
+    for line in sys.stdin:
+        path = Path(json.loads(line)["path"])
+        try:
+            d = chunking.read_document(path, isolate=False)
+            reply = {"doc": {"text": d.text, "encoding": d.encoding, "note": d.note, "pages": list(d.pages)}}
+        except chunking.SkipFile as e:
+            reply = {"skip": str(e)}
+        except MemoryError:  # a heap that hit the limit stays fragmented: answer, then end
+            reply = {"skip": f"reading it needs more than {limit >> 20} MB of memory (a decompression bomb?)",
+                     "exit": True}
+        except RecursionError:
+            reply = {"skip": "its structure is nested too deeply to read"}
+        except Exception as e:  # noqa: BLE001 - any parser failure is this file's skip reason
+            reply = {"skip": f"unreadable: {type(e).__name__}: {e}"}
+        try:
+            out = json.dumps(reply)
+        except MemoryError:
+            reply = {"skip": f"its text needs more than {limit >> 20} MB of memory", "exit": True}
+            out = json.dumps(reply)
+        sys.stdout.write(out + "\n")
+        sys.stdout.flush()
+        if reply.get("exit"):
+            return
+
+
+if __name__ == "__main__":
+    _serve()
