@@ -254,7 +254,7 @@ def cmd_eval(a) -> int:
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
     n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
-                       sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log,
+                       sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
                        checkpoint=a.checkpoint, workdir=a.workdir)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
@@ -262,6 +262,7 @@ def cmd_eval(a) -> int:
             log(f"  {m:<12} {r['correct']:>3}/{r['n']} = {r['accuracy']:6.1%}  [{r['ci95'][0]:.0%}, {r['ci95'][1]:.0%}]  "
                 f"F1 {r['f1']:.2f}  agree {r.get('agreement', 1):.0%}  recomputed {r['recomputed_fraction']:.1%}  "
                 f"ttft {r['median_ttft_s'] * 1e3:.0f} ms  x{r.get('speedup', 1):.1f}")
+    log("\ninputs (split " + a.split + "): " + ", ".join(f"{s} {h}" for s, h in summary.get("input_hashes", {}).items()))
     if a.out:
         log(f"\nwrote {a.out}/quality.md and {a.out}/quality.png")
     if a.json:
@@ -379,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--modes", nargs="+", default=None, help="full isolated preamble epic:K blend:R ...")
     e.add_argument("--sets", nargs="+", default=None, choices=("plain", "competing", "cross", "rag"))
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--split", choices=("reporting", "tuning"), default="reporting",
+                   help="which draw of questions: choose settings on 'tuning', report on 'reporting' (disjoint)")
     e.add_argument("--workdir", default=None,
                    help="keep the 'rag' set's corpus and indexes here (default: a temporary folder); a resumed run "
                         "reuses them")

@@ -1,7 +1,12 @@
 """``pcache-rag eval quality``: cached answers vs full prefill, with selective recomputation.
 
-Seeded and deterministic. Facts (codes, names, dates, counts) are planted in real filler
-text (this machine's standard-library documentation) and asked about. Four sets:
+Seeded and deterministic across processes. Facts (codes, names, dates, counts) are planted
+in real filler text and asked about: standard-library documentation rendered once and
+shipped (``pcache_rag/data/eval-filler.json.gz``, made by ``scripts/make-eval-filler.py``),
+because pages rendered at run time differ from process to process (memory addresses,
+live handlers, caches) and from one Python version to another. The report prints a hash of each set's questions and
+documents, so two runs can be checked for identical inputs. Two disjoint draws of questions:
+``tuning`` (choose settings there) and ``reporting`` (report there, never tune). Four sets:
 
 * ``plain``: the answer document plus distractors that state no competing fact;
 * ``competing``: the distractors state facts of the same form about other subjects;
@@ -13,8 +18,10 @@ Every mode answers the same questions in one run: full prefill of the same text 
 baseline), cached ``isolated``, cached ``preamble``, ``epic:K`` and ``blend:R`` (on the
 preamble encoding). Metrics: answer-contained accuracy with a 95% Wilson interval, token F1,
 agreement with the baseline's greedy answer, the fraction of context tokens recomputed, and
-the median time-to-first-token with its ratio to full prefill. Output: a Markdown table and a
-PNG plot (accuracy against speed-up) under ``docs/``.
+the median time-to-first-token with its ratio to full prefill, and an exact McNemar test of
+each mode against full prefill on the same questions (paired: it separates modes whose
+intervals overlap). Output: a Markdown table and a PNG plot (accuracy against speed-up)
+under ``docs/``.
 
 Diagnostic modes (synthetic sets only) tell where the cached path loses answers. Each
 recomputes, on the preamble encoding, rows chosen with knowledge of the answer:
@@ -27,6 +34,7 @@ recomputes, on the preamble encoding, rows chosen with knowledge of the answer:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -38,6 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SETS = ("plain", "competing", "cross", "rag")
+#: disjoint question draws: settings are chosen on ``tuning`` and reported on ``reporting``.
+#: Each split has its own generator seed, fact subjects and filler passages.
+SPLITS = {"reporting": {"seed": 0, "subject": 0, "passage": 0},
+          "tuning": {"seed": 104_729, "subject": 3_000, "passage": 100_000}}
 DEFAULT_MODES = ("full", "isolated", "preamble", "epic:2", "epic:8", "epic:16", "epic:32",
                  "blend:0.05", "blend:0.15", "blend:0.3")
 SYSTEM = "Answer the question using the documents. Reply with a short answer."
@@ -105,16 +117,27 @@ def _fact(r: random.Random, i: int) -> tuple[str, str, str, str]:
             f"How many {item} does the warehouse in {city} hold?", str(n))
 
 
+FILLER = Path(__file__).parent / "data" / "eval-filler.json.gz"
+
+
+def filler_pages() -> list[str]:
+    """The shipped documentation pages the eval's documents are cut from, in a fixed order."""
+    import gzip
+
+    with gzip.open(FILLER, "rt", encoding="utf-8") as f:
+        pages = json.load(f)["pages"]
+    return [pages[name] for name in sorted(pages)]
+
+
 class Filler:
     """Passages of real documentation text, ``doc_tokens`` model tokens each."""
 
     def __init__(self, tokenizer, doc_tokens: int):
-        from .bench import _DOC_MODULES, stdlib_docs
         from .tokens import safe_tokenizer
 
         st = safe_tokenizer(tokenizer)
         ids: list[int] = []
-        for _, text in stdlib_docs(modules=_DOC_MODULES):
+        for text in filler_pages():
             ids.extend(st.text(text)[:6000])
         self.tokenizer, self.ids, self.n = tokenizer, ids, doc_tokens
 
@@ -124,19 +147,34 @@ class Filler:
         return self.tokenizer.decode(self.ids[start : start + self.n])
 
 
+def inputs_hash(questions: list[Question], files: dict[str, str] | None = None) -> str:
+    """A short hash of a set's inputs: each question, its gold answer and documents (and the
+    corpus ``files`` of the end-to-end set), so two runs can be checked for identical inputs."""
+    h = hashlib.sha256()
+    for q in questions:
+        h.update(json.dumps([q.question, q.answer, q.docs], ensure_ascii=False).encode())
+    for name in sorted(files or {}):
+        h.update(json.dumps([name, files[name]], ensure_ascii=False).encode())
+    return h.hexdigest()[:16]
+
+
 def _plant(passage: str, fact: str, r: random.Random) -> str:
     lines = passage.split("\n")
     at = r.randint(max(1, len(lines) // 4), max(1, (3 * len(lines)) // 4))
     return "\n".join(lines[:at] + [fact] + lines[at:])
 
 
-def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) -> dict[str, list[Question]]:
-    """The three synthetic sets (``plain``, ``competing``, ``cross``); ``n`` questions each."""
-    r = random.Random(seed)
+def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0,
+               split: str = "reporting") -> dict[str, list[Question]]:
+    """The three synthetic sets (``plain``, ``competing``, ``cross``); ``n`` questions each,
+    from the ``split``'s own draw (see :data:`SPLITS`)."""
+    sp = _split(split)
+    r = random.Random(seed + sp["seed"])
     fill = Filler(tokenizer, doc_tokens)
-    facts = [_fact(r, i) for i in range(n)]
-    fact_docs = [_plant(fill.passage(i), f[1], r) for i, f in enumerate(facts)]
-    plain_docs = [fill.passage(10_000 + i) for i in range(n + 8)]
+    po = sp["passage"]
+    facts = [_fact(r, sp["subject"] + i) for i in range(n)]
+    fact_docs = [_plant(fill.passage(po + i), f[1], r) for i, f in enumerate(facts)]
+    plain_docs = [fill.passage(po + 10_000 + i) for i in range(n + 8)]
     out: dict[str, list[Question]] = {"plain": [], "competing": [], "cross": []}
     for i, (kind, fact_s, q, a) in enumerate(facts):
         slot = r.randrange(k)
@@ -151,12 +189,12 @@ def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) ->
         out["competing"].append(Question(docs, q, a, kind, [fact_s]))
     # cross-document: person -> company, company -> city (with competing pairs as distractors)
     pairs = []
-    for i in range(n):
+    for i in range(sp["subject"], sp["subject"] + n):
         name = f"{_FIRST[(i * 3) % len(_FIRST)]} {_LAST[(i * 5 + 1) % len(_LAST)]}"
         company = f"{_COMPANIES[i % len(_COMPANIES)]}"
         city = r.choice(_CITIES)
-        d1 = _plant(fill.passage(20_000 + i), f"{name} works for {company}.", r)
-        d2 = _plant(fill.passage(30_000 + i), f"The headquarters of {company} are in {city}.", r)
+        d1 = _plant(fill.passage(po + 20_000 + i), f"{name} works for {company}.", r)
+        d2 = _plant(fill.passage(po + 30_000 + i), f"The headquarters of {company} are in {city}.", r)
         pairs.append((name, company, city, d1, d2))
     for i, (name, company, city, d1, d2) in enumerate(pairs):
         facts_i = [f"{name} works for {company}.", f"The headquarters of {company} are in {city}."]
@@ -170,7 +208,28 @@ def build_sets(tokenizer, n: int, doc_tokens: int, k: int = 4, seed: int = 0) ->
     return out
 
 
+def _split(split: str) -> dict:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    return SPLITS[split]
+
+
 # ---------------------------------------------------------------------------- metrics
+
+
+def mcnemar_p(a: list[bool], b: list[bool]) -> float:
+    """Two-sided exact McNemar test of paired outcomes ``a`` and ``b`` on the same questions:
+    the binomial probability of a split of the discordant pairs at least this uneven under
+    equal accuracy. 1.0 when they never disagree."""
+    if len(a) != len(b):
+        raise ValueError("McNemar needs the same questions in both")
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -308,30 +367,34 @@ class _Synthetic:
         return self.pcs["preamble"].generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
 
 
-def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int):
-    """An ingested corpus of planted-fact files (one per question, plus plain files), and a
-    CachedRAG per encoding over it."""
+def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting"):
+    """An ingested corpus of planted-fact files (one per question, plus plain files), a
+    CachedRAG per encoding over it, and the hash of the questions and files."""
     from .engine import PromptCache
     from .rag import CachedRAG
 
-    r = random.Random(seed + 1)
+    sp = _split(split)
+    r = random.Random(seed + 1 + sp["seed"])
     fill = Filler(tok, doc_tokens)
     corpus = workdir / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     qs = []
+    files: dict[str, str] = {}
     for i in range(n):
-        kind, fact, q, a = _fact(r, 500 + i)
-        (corpus / f"facts-{i:04d}.txt").write_text(_plant(fill.passage(40_000 + i), fact, r))
+        kind, fact, q, a = _fact(r, sp["subject"] + 500 + i)
+        files[f"facts-{i:04d}.txt"] = _plant(fill.passage(sp["passage"] + 40_000 + i), fact, r)
         qs.append(Question([], q, a, kind))
     for i in range(n):
-        (corpus / f"manual-{i:04d}.txt").write_text(fill.passage(50_000 + i))
+        files[f"manual-{i:04d}.txt"] = fill.passage(sp["passage"] + 50_000 + i)
+    for name, text in files.items():
+        (corpus / name).write_text(text)
     rags = {}
     for enc in ("isolated", "preamble"):
         pc = PromptCache(model, tok, encoding=enc, cache_dir=str(workdir / f"index-{enc}" / "kv"))
         rag = CachedRAG(workdir / f"index-{enc}", pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
         rag.ingest([corpus], progress=False)
         rags[enc] = rag
-    return qs, rags
+    return qs, rags, inputs_hash(qs, files)
 
 
 def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
@@ -361,8 +424,10 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
 
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
              sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
-             out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None) -> dict:
-    """Run every mode on the same questions; returns the results (also written to ``out_dir``)."""
+             out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None,
+             split: str = "reporting") -> dict:
+    """Run every mode on the same questions of ``split`` (``tuning`` to choose settings,
+    ``reporting`` to report them); returns the results (also written to ``out_dir``)."""
     import tempfile
 
     import torch
@@ -376,15 +441,18 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
     if "rag" in sets and synthetic_only:
         raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
+    _split(split)
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
     t_start = time.perf_counter()
     config = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
-              "modes": list(modes), "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
+              "split": split, "modes": list(modes),
+              "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
     if checkpoint and Path(checkpoint).exists():
         results = _resume(Path(checkpoint), config, log)
-    data = build_sets(tok, n, doc_tokens, k, seed)
+    data = build_sets(tok, n, doc_tokens, k, seed, split)
+    hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
     syn = _Synthetic(model, tok)
     tmp = None
     for set_name in sets:
@@ -398,7 +466,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 wd = Path(tmp.name)
             else:
                 wd = Path(workdir)
-            qs, rags = _rag_set(model, tok, wd, n, doc_tokens, k, seed)
+            qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split)
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
@@ -430,6 +498,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 rag.close()
     summary = summarize({s: results[s] for s in sets if s in results}, modes)
     summary["config"] = {**config, "seconds": round(time.perf_counter() - t_start, 1)}
+    summary["input_hashes"] = hashes
     if checkpoint:
         summary["config"]["resumed_from"] = str(checkpoint)
     if out_dir is not None:
@@ -486,6 +555,7 @@ def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
             if full is not None and len(full.ttft) >= n:
                 row["agreement"] = sum(a == b for a, b in zip(r.answers, full.answers)) / n
                 row["speedup"] = statistics.median(full.ttft[:n]) / med if med else float("nan")
+                row["mcnemar_p"] = mcnemar_p(r.correct, full.correct[:n])
             rows[m] = row
         out["sets"][set_name] = rows
     return out
@@ -494,8 +564,9 @@ def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
 def _set_table(rows: dict) -> list[str]:
     """One set's Markdown table (a row per mode, ✓ where within reach of full prefill), and the
     line that says whether any recompute setting is within reach at 5x or more."""
-    lines = ["| mode | accuracy | 95% CI | token F1 | agreement | recomputed | median TTFT | speed-up | prompt tokens |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | accuracy | 95% CI | McNemar p vs full | token F1 | agreement | recomputed | median TTFT | "
+             "speed-up | prompt tokens |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = rows.get("full")
     meets = []
     for m, r in rows.items():
@@ -507,7 +578,7 @@ def _set_table(rows: dict) -> list[str]:
                 meets.append(m)
         lines.append(
             f"| {m}{within} | {r['correct']}/{r['n']} = {r['accuracy']:.1%} | {r['ci95'][0]:.1%}–{r['ci95'][1]:.1%} "
-            f"| {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
+            f"| {'—' if m == 'full' or 'mcnemar_p' not in r else format(r['mcnemar_p'], '.3f')} | {r['f1']:.3f} | {r.get('agreement', 1.0):.1%} | {r['recomputed_fraction']:.1%} "
             f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
     lines.append("")
     if base is not None and any(m not in ("full", "isolated", "preamble") + ORACLE_MODES for m in rows):
@@ -535,6 +606,11 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
              "Each question's prompts are prefilled one by one (that is what TTFT times) and then decoded together "
              "in one batch (`PromptCache.generate_parts_batch`), which can round differently from decoding alone "
              "(spot checks gave the same answers).", ""]
+    hashes = summary.get("input_hashes", {})
+    if hashes:
+        lines += [f"Split `{cfg.get('split', '?')}`. Inputs (a hash of each set's questions, answers and "
+                  "documents; equal hashes mean identical inputs): "
+                  + ", ".join(f"{s} `{h}`" for s, h in hashes.items()) + ".", ""]
     for note in notes:
         lines += [note, ""]
     for set_name, rows in summary["sets"].items():

@@ -5,7 +5,7 @@ import json
 import math
 
 from pcache_rag.cli import main
-from pcache_rag.evalq import DEFAULT_MODES, SETS, build_sets, contains, token_f1, wilson
+from pcache_rag.evalq import DEFAULT_MODES, SETS, build_sets, contains, inputs_hash, mcnemar_p, token_f1, wilson
 
 
 def test_metrics():
@@ -14,6 +14,42 @@ def test_metrics():
     assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
     assert contains("The code is MY-7890.", "MY-7890") and not contains("The code is MY-7891.", "MY-7890")
     assert token_f1("born in Oslo", "Oslo") == 0.5 and token_f1("Lima", "Oslo") == 0.0
+
+
+def test_mcnemar_exact_on_known_counts():
+    # 6 questions only the first gets right, none only the second: 2 * 0.5**6
+    a = [True] * 6 + [True, False] * 5
+    b = [False] * 6 + [True, False] * 5
+    assert math.isclose(mcnemar_p(a, b), 2 / 64) and math.isclose(mcnemar_p(b, a), 2 / 64)
+    assert mcnemar_p(a, a) == 1.0
+    # 5 against 3 discordant: 2 * P(X <= 3), X ~ Bin(8, 1/2) = 2 * 93/256
+    a = [True] * 5 + [False] * 3
+    b = [False] * 5 + [True] * 3
+    assert math.isclose(mcnemar_p(a, b), 2 * 93 / 256)
+
+
+def test_inputs_are_identical_across_processes_and_the_splits_are_disjoint(smol_tok, smol_dir):
+    """The filler text holds nothing process-specific (pydoc prints memory addresses and the
+    logging module's live handlers), so another process builds byte-identical sets."""
+    import subprocess
+    import sys
+
+    here = {name: inputs_hash(qs) for name, qs in build_sets(smol_tok, 3, 64, seed=5).items()}
+    code = ("import json, logging, sys; from transformers import AutoTokenizer; "
+            "from pcache_rag.evalq import build_sets, inputs_hash; logging.getLogger('x').addHandler(logging.StreamHandler()); "
+            f"tok = AutoTokenizer.from_pretrained({str(smol_dir)!r}); "
+            "print(json.dumps({n: inputs_hash(q) for n, q in build_sets(tok, 3, 64, seed=5).items()}))")
+    there = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                      text=True).stdout.strip().splitlines()[-1])
+    assert here == there
+    rep = build_sets(smol_tok, 6, 64, seed=5)
+    tune = build_sets(smol_tok, 6, 64, seed=5, split="tuning")
+    for name in rep:
+        a = {(q.question, q.answer, tuple(q.docs)) for q in rep[name]}
+        b = {(q.question, q.answer, tuple(q.docs)) for q in tune[name]}
+        assert not a & b, name
+        assert not {d for q in rep[name] for d in q.docs} & {d for q in tune[name] for d in q.docs}, name
+    assert all("0x7" not in d for q in rep["plain"] for d in q.docs)
 
 
 def test_sets_are_seeded_and_plant_their_answers(smol_tok):
