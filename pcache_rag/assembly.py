@@ -24,6 +24,15 @@ default) whatever prefix a prompt later puts before them: changing a prompt's
 system message re-encodes only the prefix, never the corpus. The cost of that
 approximation is measured in the README ("Your own system prompt").
 
+**Conditioned encoding** (``conditioning="neutral"`` or ``"neutral:2"``): each document
+is encoded after the preamble *and* one or two fixed neutral passages
+(``pcache_rag/data/neutral*.txt``), which are never part of an assembled prompt, then
+moved back to the canonical position. A document encoded alone after the preamble reads
+as if it were the first and only thing said; in a prompt it never is, and its states
+then pull the question towards it. The conditioning is part of every key, so states
+encoded under different conditioning never mix. It needs states that can move (RoPE or
+ALiBi), costs encode time at ingest, and nothing at query time.
+
 Marks are only structure: a document is tokenized as plain text
 (:mod:`pcache_rag.tokens`), and a stray or forged mark can at most make some
 text a module of its own text. A prompt without marks is answered by full
@@ -60,6 +69,45 @@ DEFAULT_SYSTEM = (
 
 # A prompt longer than this with no document marks gets a warning (short chats do not).
 _WARN_TOKENS = 256
+
+#: the neutral passages of conditioned encoding, in order
+NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt")
+#: the conditioning of RAG documents (CachedRAG's new indexes, the connectors' content-addressed
+#: documents) where the engine allows it; PML schemas keep the paper's semantics
+DEFAULT_CONDITIONING = "none"
+
+
+def default_conditioning(pc: PromptCache) -> str:
+    """:data:`DEFAULT_CONDITIONING` where ``pc`` can use it (``encoding="preamble"`` and states
+    that move), else ``"none"`` (logged: a default that does not apply, not an error)."""
+    if not parse_conditioning(DEFAULT_CONDITIONING):
+        return "none"
+    if pc.encoding != "preamble" or pc.adapter.family == "learned":
+        log.info("documents are encoded without conditioning: it needs encoding='preamble' and states that move "
+                 "(this engine: encoding=%r, %s positions)", pc.encoding, pc.adapter.family)
+        return "none"
+    return DEFAULT_CONDITIONING
+
+
+def parse_conditioning(spec: str | None) -> int:
+    """How many neutral passages a conditioning spec puts before each document: ``None`` or
+    ``"none"`` (0: the paper's semantics), ``"neutral"`` (1) or ``"neutral:N"`` (N)."""
+    if spec in (None, "", "none"):
+        return 0
+    name, _, n = str(spec).partition(":")
+    if name == "neutral" and (not n or n.isdigit()):
+        k = int(n or 1)
+        if 1 <= k <= len(NEUTRAL_PASSAGES):
+            return k
+    raise ValueError(f"conditioning must be 'none', 'neutral' or 'neutral:N' with N from 1 to "
+                     f"{len(NEUTRAL_PASSAGES)}, not {spec!r}")
+
+
+def neutral_text(n: int) -> str:
+    """The first ``n`` neutral passages, each ending with a blank line (as a document does)."""
+    folder = Path(__file__).parent / "data"
+    return "".join((folder / name).read_text(encoding="utf-8").strip() + DOC_SEPARATOR
+                   for name in NEUTRAL_PASSAGES[:n])
 
 
 class PCacheFallbackWarning(UserWarning):
@@ -150,13 +198,33 @@ class Assembler:
 
     ``system_prompt`` is the preamble documents are encoded against (``encoding="preamble"``);
     :class:`pcache_rag.rag.CachedRAG` uses the same one, so both share states.
+    ``conditioning`` adds neutral passages to that context (see the module docstring):
+    ``"default"`` is :func:`default_conditioning`, ``None`` or ``"none"`` the paper's semantics.
     """
 
-    def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM):
+    def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default"):
         self.pc = pc
+        if conditioning == "default":
+            conditioning = default_conditioning(pc)
         self.system_prompt = system_prompt
         self.base_ids = preamble_ids(pc, system_prompt)
         self.base_key = unit_key(pc.fingerprint, self.base_ids, range(len(self.base_ids)), None, "rag-preamble")
+        n = parse_conditioning(conditioning)
+        self.conditioning = f"neutral:{n}" if n else "none"
+        #: the context a document is encoded after: the preamble, then the conditioning passages
+        self.ctx_key = self.base_key
+        self.cond_ids: list[int] = []
+        self._ctx_memo: ModuleKV | None = None
+        if n:
+            if pc.encoding != "preamble":
+                raise ValueError("conditioned encoding extends the preamble context: it needs encoding='preamble'")
+            if pc.adapter.family == "learned":
+                raise ValueError(f"conditioned encoding needs states that can move (RoPE or ALiBi); "
+                                 f"{pc.model.config.model_type}'s learned positions cannot")
+            self.cond_ids = pc.safe.text(neutral_text(n))
+            P = len(self.base_ids)
+            self.ctx_key = unit_key(pc.fingerprint, self.cond_ids, range(P, P + len(self.cond_ids)), self.base_key,
+                                    "rag-conditioning")
 
     # ------------------------------------------------------------------ states
 
@@ -178,18 +246,42 @@ class Assembler:
     def key(self, ids: Sequence[int], start: int | None = None) -> str:
         """The store key of ``ids`` encoded at ``start`` (default: the canonical position)."""
         s = self.start if start is None else start
-        ctx = self.base_key if self.pc.encoding == "preamble" else None
+        ctx = self.ctx_key if self.pc.encoding == "preamble" else None
         return unit_key(self.pc.fingerprint, list(ids), range(s, s + len(ids)), ctx, "rag-chunk")
 
-    def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None) -> ModuleKV:
-        """Encode ``ids`` at ``start`` (attending to the preamble in ``encoding="preamble"``) and store them."""
+    def conditioned_context(self) -> ModuleKV:
+        """The preamble's states followed by the conditioning passages' (which attend to the
+        preamble), in the model's dtype; both stored, the pair memoized."""
+        if self._ctx_memo is None:
+            P, C = len(self.base_ids), len(self.cond_ids)
+            base = self.base()
+            cond = self.pc.store.get(self.ctx_key)
+            if cond is None:
+                ctx = base.to(dtype=self.pc.adapter.dtype, device=self.pc.adapter.device)
+                cond = self.pc.encode(self.cond_ids, list(range(P, P + C)), context=ctx).to(dtype=self.pc.store_dtype)
+                self.pc.store.put(self.ctx_key, cond)
+            dt, dev = self.pc.adapter.dtype, self.pc.adapter.device
+            self._ctx_memo = ModuleKV.concat([base.to(device=dev, dtype=dt), cond.to(device=dev, dtype=dt)])
+        return self._ctx_memo
+
+    def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None,
+                   store: bool = True) -> ModuleKV:
+        """Encode ``ids`` at ``start`` (attending to the preamble in ``encoding="preamble"``, and to
+        the conditioning passages after it when set) and store them (unless ``store`` is False)."""
         s = self.start if start is None else start
         key = key or self.key(ids, s)
-        ctx = None
-        if self.pc.encoding == "preamble":
-            ctx = self.pc.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
-        kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.pc.store_dtype)
-        self.pc.store.put(key, kv)
+        if self.cond_ids:
+            ctx = self.conditioned_context()
+            C = ctx.length
+            kv = self.pc.encode(list(ids), list(range(C, C + len(ids))), context=ctx)
+            kv = self.pc.place(kv, s).to(dtype=self.pc.store_dtype)  # back to its canonical slot
+        else:
+            ctx = None
+            if self.pc.encoding == "preamble":
+                ctx = self.pc.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+            kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.pc.store_dtype)
+        if store:
+            self.pc.store.put(key, kv)
         return kv
 
     def states(self, ids: Sequence[int], key: str | None = None) -> tuple[ModuleKV, bool]:

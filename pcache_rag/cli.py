@@ -113,7 +113,8 @@ def _rag(a, create: bool):
                                      store=default_store("cpu", Path(a.index).expanduser() / "kv",
                                                          disk_budget=budget, kv_url=a.kv_url))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
-                     chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None))
+                     chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None),
+                     conditioning=a.conditioning)
 
 
 def cmd_ingest(a) -> int:
@@ -123,6 +124,9 @@ def cmd_ingest(a) -> int:
         print("pcache-rag: give files or directories to ingest (or --prune / --repair alone)", file=sys.stderr)
         return 2
     # Validate everything cheap before the model loads.
+    from .assembly import parse_conditioning
+
+    parse_conditioning(a.conditioning)
     check_index_dir(a.index, create=True)
     scan(a.paths, exclude=[a.index])
     rag = _rag(a, create=True)
@@ -319,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
         x.add_argument("--store-dtype", choices=("float16", "int8"), default="float16",
                        help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
+        x.add_argument("--conditioning", default=None, metavar="SPEC",
+                       help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:2 "
+                            "(default: the index's own; for a new index, the RAG default)")
         x.add_argument("--disk-budget", type=_positive_float, default=None, metavar="GB",
                        help="KV store disk budget in GiB (default: half the free disk, at most 64)")
 

