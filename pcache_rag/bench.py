@@ -375,7 +375,9 @@ def quality_set(tokenizer, doc_tokens: int = 450, facts_in_distractors: bool = T
     (no fact) to serve as distractors: the usual RAG case, where other retrieved chunks do not
     state competing facts of the same form."""
     docs, qs = [], []
-    pages = [t for _, t in stdlib_docs(modules=_DOC_MODULES[6:])]
+    from .evalq import filler_pages  # the shipped, process-independent text (pydoc holds addresses)
+
+    pages = filler_pages()[6:]
     ids = [i for p in pages for i in tokenizer(p, add_special_tokens=False)["input_ids"][:4000]]
     for j, (name, city) in enumerate(zip(_NAMES, _CITIES)):
         if not facts_in_distractors:  # interleaved, so every union slot holds both kinds

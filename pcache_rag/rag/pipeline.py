@@ -187,6 +187,7 @@ class CachedRAG:
         self.generation = int(self.manifest.get("generation", 0))
         self._refresh_lock = threading.RLock()
         self._ingesting = 0  # ingests running in this process (their commits are our own)
+        self._manifest_stamp: tuple | None = None  # (mtime, size, inode) of the manifest last read
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
         self.asm = Assembler(self.pc, system_prompt, conditioning=cond)
@@ -218,6 +219,14 @@ class CachedRAG:
         with self._refresh_lock:
             if self._ingesting and not force:
                 return False
+            try:
+                st = (self.index_dir / MANIFEST).stat()
+                stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            except OSError:
+                stamp = None
+            if stamp == self._manifest_stamp and not force:
+                return False  # the file is as last read: no JSON parse per question
+            self._manifest_stamp = stamp
             m = _read_manifest(self.index_dir, quiet=True)
             gen = int(m.get("generation", 0))
             if gen == self.generation and not force:

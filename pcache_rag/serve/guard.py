@@ -84,12 +84,13 @@ def allowed_hosts_for(bind: str, extra: list[str] | tuple[str, ...] = ()) -> lis
     return sorted(hosts)
 
 
-def _error(status: int, message: str, kind: str, code: str | None = None, headers=()) -> tuple[dict, dict, bytes]:
+def _error(status: int, message: str, kind: str, code: str | None = None, headers=()) -> tuple[dict, dict]:
+    """The two ASGI messages of a JSON error in OpenAI's shape."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          *headers]}
-    return start, {"type": "http.response.body", "body": body}, body
+    return start, {"type": "http.response.body", "body": body}
 
 
 class Guard:
@@ -112,14 +113,14 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refused = self._check(scope, headers)
         if refused is not None:
-            start, body, _ = refused
+            start, body = refused
             await send(start)
             await send(body)
             return
         limit = self.upload_limit if scope["path"] == UPLOAD_PATH else self.json_limit
         length = headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            start, body, _ = _error(413, f"the request body is {_human(int(length))}, more than the limit of "
+            start, body = _error(413, f"the request body is {_human(int(length))}, more than the limit of "
                                          f"{_human(limit)}", "invalid_request_error", "request_too_large",
                                     [(b"connection", b"close")])
             await send(start)
@@ -148,7 +149,7 @@ class Guard:
         except BodyTooLarge as e:
             if started:
                 raise
-            start, body, _ = _error(413, str(e.detail), "invalid_request_error", "request_too_large",
+            start, body = _error(413, str(e.detail), "invalid_request_error", "request_too_large",
                                     [(b"connection", b"close")])
             await send(start)
             await send(body)
