@@ -17,6 +17,13 @@ unit only (``encoding="isolated"``, the paper) or also to the schema's
 preamble (``encoding="preamble"``). A param argument attends to its module's
 tokens before the slot (and the preamble in preamble mode); uncached tokens
 attend to everything before them.
+
+When nothing needs a mask beyond "every earlier key, and the new tokens causally" (no
+arguments, no recomputed rows), no mask is built: the attention's split path
+(:mod:`pcache_rag.models.attention`) serves the cache unmasked and the new tokens
+causally. The same path carries **calibrated attention** (``calibration="ape:T:S"`` on
+the parts API): the documents' keys, everything cached after the first part, get APE's
+temperature and scale on the question's and the answer's rows.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .kv import BufferLayer, ModuleKV, Workspace
 from .models import UnsupportedModelError, adapter_for
+from .models.attention import CalibratedSpan, Calibration, calibrated
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
 from .pml.layout import PromptPlan, Unit, bos_ids
@@ -63,6 +71,7 @@ class PrefillResult:
     recomputed_tokens: int = 0  # context tokens recomputed on top of the cache (counted in computed_tokens)
     assemble_s: float = 0.0  # seconds spent placing cached states
     forward_s: float = 0.0  # seconds in the forward pass
+    calibrated: CalibratedSpan | None = None  # the keys decoding attends to with a calibration
 
 
 @dataclass(slots=True)
@@ -406,9 +415,11 @@ class PromptCache:
         preamble: str | None,
         reserve: int,
         policy: Recompute = Recompute(),
+        calibration: Calibration | None = None,
     ) -> PrefillResult:
         """Assemble ``kvs`` (labelled), compute arguments and uncached tokens (and the context
-        rows ``policy`` selects), return logits."""
+        rows ``policy`` selects), return logits. ``calibration`` applies to the cached keys
+        after the first unit (see the module docstring)."""
         dev = self.adapter.device
         t0 = time.perf_counter()
         n_args = sum(len(ids) for _, _, ids in args)
@@ -432,7 +443,10 @@ class PromptCache:
         # (q, C+q): arguments attend to their module's tokens before the slot (and the
         # preamble), then themselves causally; uncached tokens attend to everything before them.
         plain = C == 0 and not args  # nothing cached: an ordinary causal prefill
-        allowed = None if plain else torch.zeros(q, C + q, dtype=torch.bool)
+        # every earlier key and the new tokens causally: the attention's split path, no mask
+        split = not args and not rows and self.adapter.family != "alibi"
+        span = self._calibrated_span(kvs, calibration, bool(args), policy if rows else None)
+        allowed = None if plain or split else torch.zeros(q, C + q, dtype=torch.bool)
         row = 0
         for u, slot, ids in args:
             n, a = len(ids), C + row
@@ -473,7 +487,11 @@ class PromptCache:
         if self.adapter.family == "alibi" and not plain:
             key_pos = torch.cat(cached_pos + [pos_t]).to(dev)
         t2 = time.perf_counter()
-        logits = self.adapter.forward(ids_t.to(dev), pos_t.to(dev), self.workspace.cache(), allowed, key_pos)[-1]
+        with calibrated(span) as counter:
+            logits = self.adapter.forward(ids_t.to(dev), pos_t.to(dev), self.workspace.cache(), allowed, key_pos)[-1]
+        if span is not None and counter.calls == 0:
+            raise UnsupportedModelError(f"calibrated attention: {type(self.model).__name__} does not run its "
+                                        "attention through pcache_sdpa")
         if nS:
             self.workspace.replace_rows(rows_t.to(dev), C, nS, q)
         t3 = time.perf_counter()
@@ -490,7 +508,24 @@ class PromptCache:
             assemble_s=t1 - t0,
             forward_s=t3 - t2,
             recomputed_tokens=nS,
+            calibrated=span,
         )
+
+    def _calibrated_span(self, kvs: list[ModuleKV], calibration: Calibration | None, args: bool,
+                         recompute: Recompute | None) -> CalibratedSpan | None:
+        """The keys ``calibration`` applies to: every cached key after the first unit (the
+        shared preamble); ``None`` without a calibration or with fewer than two units.
+        Refused by name where the split path cannot run."""
+        if calibration is None or len(kvs) < 2:
+            return None
+        if self.adapter.family == "alibi":
+            raise UnsupportedModelError("calibrated attention runs through pcache_sdpa's split path; ALiBi models "
+                                        "attend with their own bias")
+        if args or recompute is not None:
+            what = "PML parameters" if args else f"recompute {recompute}"
+            raise ValueError(f"calibrated attention ({calibration.spec}) does not combine with {what}: choose one")
+        P = kvs[0].length
+        return CalibratedSpan(P, sum(kv.length for kv in kvs), calibration)
 
     def _select(self, kvs: list[ModuleKV], policy: Recompute, new_ids=(), new_pos=()) -> list[int]:
         """Cache rows to recompute under ``policy`` (only when several units are assembled);
@@ -565,15 +600,17 @@ class PromptCache:
     @torch.no_grad()
     def prefill_parts(
         self, parts: list[tuple[str, ModuleKV]], new_ids: list[int], preamble: str | None = None, reserve: int = 0,
-        recompute: "str | Recompute | None" = None,
+        recompute: "str | Recompute | None" = None, calibration: "str | Calibration | None" = None,
     ) -> PrefillResult:
         """Prefill cached ``parts`` (label, states already at their positions) plus ``new_ids``,
-        which are placed right after the last part's position."""
+        which are placed right after the last part's position. ``calibration`` (``"ape:T:S"``)
+        calibrates attention to every part after the first (see the module docstring)."""
         policy = self._policy(recompute)
         with self._lock, torch.no_grad():
-            return self._prefill_new(parts, new_ids, preamble, reserve, policy)
+            return self._prefill_new(parts, new_ids, preamble, reserve, policy, Calibration.parse(calibration))
 
-    def _prefill_new(self, parts, new_ids, preamble, reserve, policy: Recompute = Recompute()):
+    def _prefill_new(self, parts, new_ids, preamble, reserve, policy: Recompute = Recompute(),
+                     calibration: Calibration | None = None):
         if not new_ids:
             raise ValueError("there must be at least one new token to compute")
         start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
@@ -582,26 +619,28 @@ class PromptCache:
             raise ContextOverflowError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
         pre = preamble if self.encoding == "preamble" else None
         return self._prefill_parts(
-            [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve, policy
+            [p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre, reserve, policy, calibration
         )
 
-    def generate_parts(self, parts, new_ids, preamble=None, recompute=None, **gen) -> GenerationOutput:
+    def generate_parts(self, parts, new_ids, preamble=None, recompute=None, calibration=None,
+                       **gen) -> GenerationOutput:
         """:meth:`generate` for cached parts plus new token ids (see :meth:`prefill_parts`)."""
         gen = _gen_kwargs(gen)
-        policy = self._policy(recompute)
-        return _final(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy), **gen))
+        policy, cal = self._policy(recompute), Calibration.parse(calibration)
+        return _final(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy, cal), **gen))
 
-    def stream_parts(self, parts, new_ids, preamble=None, recompute=None, **gen) -> Iterator[str]:
+    def stream_parts(self, parts, new_ids, preamble=None, recompute=None, calibration=None,
+                     **gen) -> Iterator[str]:
         """:meth:`stream` for cached parts plus new token ids."""
         gen = _gen_kwargs(gen)
-        policy = self._policy(recompute)
-        return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy), **gen))
+        policy, cal = self._policy(recompute), Calibration.parse(calibration)
+        return _deltas(self._generation(lambda r: self._prefill_new(parts, new_ids, preamble, r, policy, cal), **gen))
 
     @torch.no_grad()
     def generate_parts_batch(self, requests, max_new_tokens: int = 64, stop=None) -> list[GenerationOutput]:
         """Greedy answers to several :meth:`generate_parts` requests, decoded together.
 
-        ``requests``: ``(parts, new_ids, preamble, recompute)`` tuples. Each prompt is prefilled
+        ``requests``: ``(parts, new_ids, preamble, recompute[, calibration])`` tuples. Each prompt is prefilled
         on its own, exactly as :meth:`generate_parts` does (its ``ttft_s`` is timed the same way:
         from the start of its prefill to its first token). Then prompts of equal length decode
         together, one forward per step for the group, which reads the weights once instead of
@@ -612,16 +651,17 @@ class PromptCache:
         """
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        reqs = [tuple(r) + (None,) * (4 - len(r)) for r in requests]
+        reqs = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
         if self.adapter.family == "alibi":  # its bias needs key positions and a mask per step
-            return [self.generate_parts(p, ids, pre, rc, max_new_tokens=max_new_tokens, stop=stop)
-                    for p, ids, pre, rc in reqs]
+            return [self.generate_parts(p, ids, pre, rc, cal, max_new_tokens=max_new_tokens, stop=stop)
+                    for p, ids, pre, rc, cal in reqs]
         stops = [s for s in (stop or []) if s]
         firsts: list[dict] = []
         with self._lock:
-            for parts, new_ids, preamble, rc in reqs:
+            for parts, new_ids, preamble, rc, cal in reqs:
                 t0 = time.perf_counter()
-                res = self._prefill_new(parts, new_ids, preamble, max_new_tokens, self._policy(rc))
+                res = self._prefill_new(parts, new_ids, preamble, max_new_tokens, self._policy(rc),
+                                        Calibration.parse(cal))
                 tok = int(torch.argmax(res.logits))
                 ttft = time.perf_counter() - t0
                 T = self.workspace.layers[0].length
@@ -631,12 +671,14 @@ class PromptCache:
                                "v": self.workspace.v[:, 0, :, :T].clone()})
             # The workspace no longer holds what it says it holds.
             self.workspace.invalidate()
-            groups: dict[tuple[int, int], list[int]] = {}
-            for i, f in enumerate(firsts):
-                groups.setdefault((f["T"], f["next_pos"]), []).append(i)
+            groups: dict[tuple, list[int]] = {}
+            for i, f in enumerate(firsts):  # one batch per length, next position and calibrated span
+                groups.setdefault((f["T"], f["next_pos"], f["res"].calibrated), []).append(i)
             outs: list[GenerationOutput | None] = [None] * len(firsts)
-            for (T, next_pos), idx in groups.items():
-                for i, out in zip(idx, self._decode_group([firsts[i] for i in idx], T, next_pos, max_new_tokens, stops)):
+            for (T, next_pos, span), idx in groups.items():
+                with calibrated(span):
+                    decoded = self._decode_group([firsts[i] for i in idx], T, next_pos, max_new_tokens, stops)
+                for i, out in zip(idx, decoded):
                     outs[i] = out
         return outs  # type: ignore[return-value]
 
@@ -801,7 +843,8 @@ class PromptCache:
             if key_pos is not None:  # ...except for ALiBi, whose bias comes with its mask
                 key_pos = torch.cat([key_pos, pos])
                 allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
-            logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
+            with calibrated(res.calibrated):
+                logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
         if finish != "stop":
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             if len(text) > len(emitted):
@@ -822,12 +865,15 @@ class PromptCache:
     # ------------------------------------------------------------------ baselines
 
     @torch.no_grad()
-    def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The baseline: one causal forward over all tokens, nothing reused. Returns last logits."""
+    def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     last: int = 1) -> torch.Tensor:
+        """The baseline: one causal forward over all tokens, nothing reused. Returns the last
+        logits (vocab,), or those of the ``last`` positions (last, vocab) when ``last > 1``."""
         dev = self.adapter.device
         ids = input_ids.to(dev)
         pos = position_ids.to(dev) if position_ids is not None else torch.arange(ids.shape[0], device=dev)
-        return self.adapter.forward(ids, pos, DynamicCache(), None, None)[-1]
+        out = self.adapter.forward(ids, pos, DynamicCache(), None, None, logits_to_keep=last)
+        return out[-1] if last == 1 else out[-last:]
 
     def stats(self) -> dict:
         """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, and

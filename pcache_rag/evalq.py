@@ -64,11 +64,35 @@ ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
 COND_MODES = ("cond:1", "cond:2")
 
 
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """``(base mode, calibration)`` of a mode: ``ape:T:S`` alone is the preamble encoding with
+    calibrated attention (:mod:`pcache_rag.models.attention`), and ``BASE+ape:T:S`` adds it to
+    a cached mode without recompute (``cond:1+ape:0.9:0.9``)."""
+    base, _, cal = mode.partition("+")
+    if base.startswith("ape:"):
+        base, cal = "preamble", base
+    if cal:
+        from .models.attention import Calibration
+
+        Calibration.parse(cal)
+        if base not in ("isolated", "preamble") + COND_MODES:
+            raise ValueError(f"eval mode {mode!r}: calibrated attention goes with a cached mode without recompute "
+                             f"(isolated, preamble, {', '.join(COND_MODES)}), not {base!r}")
+    return base, cal or None
+
+
 def encoding_of(mode: str) -> str:
     """The document encoding a mode reads: ``isolated``, ``preamble`` or a ``cond:N``."""
+    mode = split_mode(mode)[0]
     if mode == "isolated" or mode.startswith("cond:"):
         return mode
     return "preamble"
+
+
+def _cached_request_policy(mode: str) -> tuple[str, str | None]:
+    """``(recompute, calibration)`` of a cached mode's request."""
+    base, cal = split_mode(mode)
+    return ("none" if base in ("isolated", "preamble", "own-system") + COND_MODES else base), cal
 #: ``oracle:fact``: tokens taken either side of a fact sentence (its tokenization at a cut may merge)
 ORACLE_MARGIN = 2
 
@@ -362,12 +386,12 @@ class _Synthetic:
             kv = pc.place(self._doc_kv(enc, d), pos)
             parts.append((f"d{j}", kv))
             pos += kv.length
-        recompute = "none" if mode in ("isolated", "preamble", "own-system") + COND_MODES else mode
+        recompute, cal = _cached_request_policy(mode)
         if mode in ORACLE_MODES:
             from .recompute import Recompute
 
             recompute = Recompute.explicit(self.oracle_rows(mode, q, [kv.length for _, kv in parts]))
-        return parts, self.q_ids(q.question), "preamble", recompute
+        return parts, self.q_ids(q.question), "preamble", recompute, cal
 
     def oracle_rows(self, mode: str, q: Question, lengths: list[int]) -> list[int]:
         """The cache rows an oracle mode recomputes (``lengths``: the preamble's, then each document's)."""
@@ -398,13 +422,9 @@ class _Synthetic:
         return self.pcs["preamble"].generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
 
 
-def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
-             encodings=("isolated", "preamble")):
-    """An ingested corpus of planted-fact files (one per question, plus plain files), a
-    CachedRAG per encoding over it, and the hash of the questions and files."""
-    from .engine import PromptCache
-    from .rag import CachedRAG
-
+def rag_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: str = "reporting"):
+    """The rag set's files, written to ``workdir/corpus``: one planted-fact file per question
+    (``facts-NNNN.txt``) and as many plain ones. Returns ``(questions, files, corpus folder)``."""
     sp = _split(split)
     r = random.Random(seed + 1 + sp["seed"])
     fill = Filler(tok, doc_tokens)
@@ -420,13 +440,25 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
         files[f"manual-{i:04d}.txt"] = fill.passage(sp["passage"] + 50_000 + i)
     for name, text in files.items():
         (corpus / name).write_text(text)
+    return qs, files, corpus
+
+
+def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
+             encodings=("isolated", "preamble"), retrieval: str = "hybrid"):
+    """An ingested corpus of planted-fact files (one per question, plus plain files), a
+    CachedRAG per encoding over it, and the hash of the questions and files."""
+    from .engine import PromptCache
+    from .rag import CachedRAG
+
+    qs, files, corpus = rag_corpus(tok, workdir, n, doc_tokens, seed, split)
     rags = {}
     for enc in sorted(set(encodings) | {"preamble"}):
         folder = workdir / f"index-{enc.replace(':', '')}"
         cond = f"neutral:{enc[5:]}" if enc.startswith("cond:") else "none"
         pc = PromptCache(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
                          cache_dir=str(folder / "kv"))
-        rag = CachedRAG(folder, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond)
+        rag = CachedRAG(folder, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
+                        retrieval=retrieval)
         rag.ingest([corpus], progress=False)
         rags[enc] = rag
     return qs, rags, inputs_hash(qs, files)
@@ -450,9 +482,50 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         t0 = time.perf_counter()
         parts = rag._parts(hs)
         fetch.append(time.perf_counter() - t0)
-        reqs.append((parts, q_ids, "preamble", "none" if mode in ("isolated", "preamble") + COND_MODES else mode))
+        reqs.append((parts, q_ids, "preamble") + _cached_request_policy(mode))
     outs = rags["preamble"].pc.generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
     return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
+
+
+def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1, 2, 4, 8), seed: int = 0,
+                     split: str = "reporting", log=print) -> dict:
+    """Fact-chunk recall@k of the rag set's questions, dense against hybrid retrieval, on one
+    index (text only: ``encode="lazy"``, no states are needed to retrieve). A question counts
+    at ``k`` when its planted-fact file is among the ``k`` chunks retrieved."""
+    import tempfile
+
+    from .engine import PromptCache
+    from .default_model import load_model
+    from .rag import CachedRAG
+
+    model, tok = load_model(model_path)
+    out: dict = {"n": n, "split": split, "doc_tokens": doc_tokens, "ks": list(ks), "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="pcache-recall-") as tmp:
+        wd = Path(tmp)
+        qs, files, corpus = rag_corpus(tok, wd, n, doc_tokens, seed, split)
+        out["inputs"] = inputs_hash(qs, files)
+        pc = PromptCache(model, tok, cache_dir=str(wd / "index" / "kv"))
+        rag = CachedRAG(wd / "index", pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
+        rag.ingest([corpus], progress=False, encode="lazy")
+        for mode in ("dense", "hybrid"):
+            rag.retrieval = mode
+            t0 = time.perf_counter()
+            found = {k: [] for k in ks}
+            for i, q in enumerate(qs):
+                srcs = [Path(h.source).name for h in rag.retrieve(q.question, k=max(ks), prefetch=False)]
+                for k in ks:
+                    found[k].append(f"facts-{i:04d}.txt" in srcs[:k])
+            secs = (time.perf_counter() - t0) / max(1, len(qs))
+            out["modes"][mode] = {"recall": {k: sum(v) / len(v) for k, v in found.items()},
+                                  "hits": {k: sum(v) for k, v in found.items()},
+                                  "found": {k: v for k, v in found.items()}, "ms_per_question": secs * 1e3}
+            log(f"{mode:>7}: " + "  ".join(f"recall@{k} {sum(v)}/{len(v)}" for k, v in found.items())
+                + f"  ({secs * 1e3:.0f} ms per question)")
+        rag.close()
+    for k in ks:
+        out.setdefault("mcnemar_p", {})[k] = mcnemar_p(out["modes"]["hybrid"]["found"][k],
+                                                      out["modes"]["dense"]["found"][k])
+    return out
 
 
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
@@ -469,8 +542,9 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     from .recompute import Recompute
 
     for m in modes:
-        if m not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
-            Recompute.parse(m)
+        base, _ = split_mode(m)
+        if base not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
+            Recompute.parse(base)
     synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
     if "rag" in sets and synthetic_only:
         raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")

@@ -6,11 +6,29 @@ copies the whole assembled cache each layer. Here the query heads of one group
 are folded into the query length instead: ``(B, H, q, D) -> (B, H_kv, G*q, D)``,
 so keys and values are read in place. Results equal stock sdpa; with no mask
 and a square query it is plain causal attention (what full prefill uses).
+
+**The split path.** With no mask and a query of ``q`` tokens over ``kv > q`` keys (new
+tokens after an assembled cache, or a decode step), the query sees every earlier key and
+its own block causally. No dense mask is built: the earlier keys are attended without a
+mask, the block causally, and the partial results are merged exactly by their
+log-sum-exps (``softmax`` over a union of key sets is the LSE-weighted mean of the
+softmaxes over each set). On CPU the pieces run on PyTorch's flash kernel, which returns
+the LSE (``aten._scaled_dot_product_flash_attention_for_cpu``); elsewhere on a float32
+math path.
+
+**Calibrated attention** (APE, arXiv 2502.05431) rides on the same split. Inside
+:func:`calibrated`, the keys of one cached range (the documents, after the shared
+preamble) get logits ``s/T + (S*T - 1) * LSE(s/T)`` on every query row, so that range's
+share of attention is ``exp(S*T*LSE(s/T))`` and its distribution inside is ``softmax(s/T)``:
+one flash call with scale ``1/T``, its LSE multiplied by ``S*T``. The preamble and the new
+tokens keep their logits. ``T = S = 1`` is ordinary attention.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +53,16 @@ def pcache_sdpa(
     probe = getattr(_probing, "probe", None)
     if probe is not None:
         probe.add(query, key, attention_mask, scaling)
+    cal = getattr(_calibrating, "span", None)
+    if attention_mask is None and (cal is not None or q < kv and q > 1):
+        if q > kv:
+            raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys")
+        if cal is not None:
+            _calibrating.counter.calls += 1
+        return split_attention(query, key, value, scaling, cal), None
+    if cal is not None:
+        raise ValueError(f"{NAME}: calibrated attention needs the split path (no mask); this forward has one")
     if attention_mask is None:
-        if q > 1 and q != kv:
-            raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys needs an explicit mask")
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=q > 1, scale=scaling, enable_gqa=G > 1
         )  # (B, H, q, Dv)
@@ -48,6 +73,130 @@ def pcache_sdpa(
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     out = out.reshape(B, H, q, -1)  # (B, H, q, Dv)
     return out.transpose(1, 2).contiguous(), None  # (B, q, H, Dv)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """APE's temperature ``T`` and scale ``S`` for the documents' keys (see the module
+    docstring). ``Calibration.parse("ape:0.9:0.9")``; ``"none"`` is ``None``."""
+
+    temperature: float = 1.0
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and self.scale > 0):
+            raise ValueError(f"calibration needs T > 0 and S > 0, not T={self.temperature}, S={self.scale}")
+
+    @property
+    def spec(self) -> str:
+        return f"ape:{self.temperature:g}:{self.scale:g}"
+
+    @classmethod
+    def parse(cls, spec: "str | Calibration | None") -> "Calibration | None":
+        if spec is None or isinstance(spec, Calibration):
+            return spec
+        s = str(spec).strip()
+        if s in ("", "none"):
+            return None
+        bits = s.split(":")
+        try:
+            if bits[0] == "ape" and len(bits) == 3:
+                return cls(float(bits[1]), float(bits[2]))
+        except ValueError:
+            pass
+        raise ValueError(f"calibration must be 'none' or 'ape:T:S' (e.g. 'ape:0.9:0.9'), not {spec!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CalibratedSpan:
+    """Keys ``[start, end)`` of every forward inside :func:`calibrated` get ``calibration``."""
+
+    start: int
+    end: int
+    calibration: Calibration
+
+
+class _Counter:
+    calls = 0
+
+
+@contextmanager
+def calibrated(span: CalibratedSpan | None):
+    """Forwards of this thread inside the block attend with ``span``'s calibration, through
+    the split path. Yields a counter: ``.calls`` is how many attention calls applied it (0
+    after a forward means the model's attention does not run through ``pcache_sdpa``)."""
+    prev = getattr(_calibrating, "span", None), getattr(_calibrating, "counter", None)
+    counter = _Counter()
+    _calibrating.span, _calibrating.counter = span, counter
+    try:
+        yield counter
+    finally:
+        _calibrating.span, _calibrating.counter = prev
+
+
+def _attend(query, key, value, scale: float, causal: bool):
+    """``(out (B, H, q, Dv), lse (B, H, q) float32)`` of softmax attention over all of ``key``
+    (or causally, for a square block); ``query`` and ``key`` have the same number of heads.
+    On CPU, PyTorch's flash kernel, which returns the LSE; elsewhere :func:`_attend_math`."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+        return out, lse.float()
+    return _attend_math(query, key, value, scale, causal)
+
+
+def _attend_math(query, key, value, scale: float, causal: bool):
+    """:func:`_attend` on explicit float32 logits (any device). Written out because no
+    public kernel returns the LSE on every device; the CUDA flash and efficient kernels
+    do, and are the next step where a GPU can measure them."""
+    s = (query.float() @ key.float().transpose(-1, -2)) * scale  # (B, H, q, k)
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril_(), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.softmax(s, dim=-1) @ value.float()).to(query.dtype), lse
+
+
+def split_attention(
+    query: torch.Tensor,  # (B, H, q, D): the last q of the keys' tokens
+    key: torch.Tensor,  # (B, H_kv, kv, D)
+    value: torch.Tensor,  # (B, H_kv, kv, Dv)
+    scaling: float | None,
+    span: CalibratedSpan | None = None,
+) -> torch.Tensor:
+    """Each query row attends to every key before the query block and causally inside it,
+    with ``span``'s keys calibrated; merged by log-sum-exp. Returns (B, q, H, Dv)."""
+    B, H, q, D = query.shape
+    Hkv, kv = key.shape[1], key.shape[2]
+    G = H // Hkv
+    sc = scaling if scaling is not None else D**-0.5
+    before = kv - q
+    # (start, end, scale, LSE multiplier) of each unmasked range before the block
+    ranges = [(0, before, sc, 1.0)]
+    if span is not None:
+        a, b = max(0, min(span.start, before)), max(0, min(span.end, before))
+        T, S = span.calibration.temperature, span.calibration.scale
+        ranges = [(0, a, sc, 1.0), (a, b, sc / T, S * T), (b, before, sc, 1.0)]
+    outs, lses = [], []
+    folded = query.reshape(B, Hkv, G * q, D)  # rows ordered (group member, token): no mask, so no repeat
+    for a, b, scale, mult in ranges:
+        if b <= a:
+            continue
+        o, lse = _attend(folded, key[:, :, a:b], value[:, :, a:b], scale, False)
+        outs.append(o.reshape(B, H, q, -1))
+        lses.append(lse.reshape(B, H, q) * mult)
+    kb, vb = key[:, :, before:], value[:, :, before:]  # the block itself: q keys, repeated for the groups
+    if G > 1:
+        kb, vb = kb.repeat_interleave(G, dim=1), vb.repeat_interleave(G, dim=1)
+    o, lse = _attend(query, kb, vb, sc, True)
+    outs.append(o)
+    lses.append(lse)
+    if len(outs) == 1:
+        return o.transpose(1, 2).contiguous()
+    L = torch.stack(lses)  # (n, B, H, q)
+    w = torch.softmax(L, dim=0).unsqueeze(-1)  # each range's share of the attention
+    out = sum(wi * oi.float() for wi, oi in zip(w, outs))
+    return out.to(query.dtype).transpose(1, 2).contiguous()  # (B, q, H, Dv)
 
 
 class AttentionProbe:
@@ -80,6 +229,8 @@ class AttentionProbe:
         _probing.probe = None
 
 
+#: the calibrated span of this thread's forwards, if any (set by :func:`calibrated`)
+_calibrating = threading.local()
 #: the probe of this thread's forward, if any (another thread's forwards are not probed)
 _probing = threading.local()
 
