@@ -114,7 +114,8 @@ def _rag(a, create: bool):
                                                          disk_budget=budget, kv_url=a.kv_url))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None),
-                     conditioning=a.conditioning)
+                     conditioning=a.conditioning, retrieval=getattr(a, "retrieval", "hybrid"),
+                     calibration=getattr(a, "calibration", "auto"))
 
 
 def cmd_ingest(a) -> int:
@@ -195,16 +196,40 @@ def cmd_ask(a) -> int:
         print(f"[{name}] {ans.text.strip()}")
     print("\nsources:")
     for h in handles:
-        print(f"  {h.score:.2f}  {shown(h.source)}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
+        print(f"  {h.score:.3f}  {shown(h.source)}  (chunk {h.metadata.get('chunk')}, {h.n_tokens} tokens)")
     for name, ans in runs:
         re_ = f" ({ans.output.recomputed_tokens} recomputed)" if ans.output.recomputed_tokens else ""
         print(f"{name:>12}: ttft {ans.ttft_s * 1000:.0f} ms (retrieve {ans.retrieve_s * 1000:.0f} ms); "
               f"cached {ans.output.cached_tokens} tokens, computed {ans.output.computed_tokens}{re_}")
     if len(runs) == 2:
         print(f"       ratio: x{runs[1][1].ttft_s / runs[0][1].ttft_s:.1f}")
+    cal, src = rag.calibration
+    print(f" calibration: {cal or 'none'} ({src}); conditioning {rag.asm.conditioning}; retrieval {rag.retrieval}")
     hits = {n: t["hits"] for n, t in rag.pc.stats()["tiers"].items()}
     print(f"      states: {rag.pc.encoded['units']} encoded here; hits per tier: "
           + ", ".join(f"{n} {h}" for n, h in hits.items()))
+    return 0
+
+
+def cmd_calibrate(a) -> int:
+    from .rag import check_index_dir
+
+    check_index_dir(a.index, create=False)
+    a.calibration = "auto"
+    rag = _rag(a, create=False)
+    if rag.index.count() == 0:
+        print(f"the index at {a.index} is empty: run `pcache-rag ingest PATH --index {a.index}` first", file=sys.stderr)
+        return 2
+    rep = rag.calibrate(n=a.prompts, k=a.k, progress=True, save=not a.dry_run)
+    for line in rep.lines():
+        print(line)
+    print(f"\n{rep.prompts} prompts of {rep.k} chunks sampled from the index, {rep.seconds:.0f} s; "
+          f"KL(full prefill || cached) of the next token after the question and after 3 forced answer tokens")
+    if a.dry_run:
+        print(f"chosen: {rep.chosen} (not saved: --dry-run)")
+    else:
+        print(f"chosen: {rep.chosen}, saved in the index for this model; answers use it by default "
+              "(--calibration none turns it off per command)")
     return 0
 
 
@@ -253,9 +278,17 @@ def cmd_serve(a) -> int:
 
 
 def cmd_eval(a) -> int:
-    from .evalq import DEFAULT_MODES, SETS, run_eval
+    from .evalq import DEFAULT_MODES, SETS, retrieval_recall, run_eval
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
+    if a.what == "retrieval":
+        n = 6 if a.quick else a.n
+        res = retrieval_recall(a.model, n=n, doc_tokens=a.doc_tokens, seed=a.seed, split=a.split, log=log)
+        log(f"inputs (split {a.split}): rag {res['inputs']}; McNemar p, hybrid vs dense: "
+            + ", ".join(f"@{k} {p:.3g}" for k, p in res["mcnemar_p"].items()))
+        if a.json:
+            print(json.dumps({k: v for k, v in res.items()}, indent=2, default=str))
+        return 0
     n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
@@ -326,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--conditioning", default=None, metavar="SPEC",
                        help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:2 "
                             "(default: the index's own; for a new index, the RAG default)")
+        x.add_argument("--retrieval", choices=("hybrid", "dense"), default="hybrid",
+                       help="hybrid: BM25 fused with the dense ranking (reciprocal rank fusion); dense: MiniLM alone")
+        x.add_argument("--calibration", default="auto", metavar="SPEC",
+                       help="calibrated attention for answers: auto (the index's own, from `pcache-rag calibrate`), "
+                            "none, or ape:T:S")
         x.add_argument("--disk-budget", type=_positive_float, default=None, metavar="GB",
                        help="KV store disk budget in GiB (default: half the free disk, at most 64)")
 
@@ -344,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check an index against its files and its KV store")
     rag_args(v)
     v.set_defaults(fn=cmd_verify)
+
+    c = sub.add_parser("calibrate", help="choose calibrated attention for an index without labels (KL to full prefill)")
+    rag_args(c)
+    c.add_argument("--prompts", type=_positive, default=24, help="prompts sampled from the index")
+    c.add_argument("--k", type=_positive, default=4, help="chunks per sampled prompt")
+    c.add_argument("--dry-run", action="store_true", help="measure and print, keep nothing")
+    c.set_defaults(fn=cmd_calibrate)
 
     q = sub.add_parser("ask", help="answer a question from an index")
     q.add_argument("question")
@@ -378,7 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_serve)
 
     e = sub.add_parser("eval", help="evaluations: quality (cached vs full prefill, with recompute policies)")
-    e.add_argument("what", choices=("quality",))
+    e.add_argument("what", choices=("quality", "retrieval"),
+                   help="quality: answers, cached against full prefill; retrieval: the rag set's fact-chunk recall@k, "
+                        "dense against hybrid")
     e.add_argument("--quick", action="store_true", help="a few questions per set (minutes): checks the harness")
     e.add_argument("--n", type=_positive, default=75, help="questions per set (4 sets)")
     e.add_argument("--doc-tokens", type=_positive, default=400, help="tokens per document")

@@ -150,6 +150,19 @@ class ChromaIndex:
     def count(self) -> int:
         return self.col.count()
 
+    def texts(self) -> list[tuple[str, str]]:
+        """``[(id, text)]`` of every chunk (what the lexical index is built from)."""
+        got = self.col.get(include=["documents"])
+        return list(zip(got["ids"], got["documents"]))
+
+    def get(self, ids: list[str]) -> dict[str, tuple[str, dict]]:
+        """``{id: (text, metadata)}`` of those of ``ids`` that exist."""
+        if not ids:
+            return {}
+        got = self.col.get(ids=list(ids), include=["documents", "metadatas"])
+        return {cid: (doc, meta) for cid, doc, meta in zip(got["ids"], got["documents"], got["metadatas"])
+                if doc is not None and meta is not None}
+
     def query(self, embedding, k: int):
         """``[(id, similarity, document, metadata)]``, closest first."""
         n = min(k, self.count())

@@ -43,11 +43,13 @@ from ..assembly import DEFAULT_SYSTEM, Assembler, parse_conditioning
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache
 from ..kv import ModuleKV
 from ..recompute import Recompute
+from ..models.attention import Calibration
 from ..fsutil import quarantine
 from .chunking import SUPPORTED, SkipFile, read_document, scan, split_tokens
 from .extract import release as release_reader
 from .embed import MiniLMEmbedder
 from .index import ChromaIndex, IndexDamagedError
+from .lexical import BM25Index, check_retrieval, rrf
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class ModuleHandle:
     """A retrieved chunk: what the LLM side needs to use its cached states."""
 
     id: str  # chunk (module) id in chroma
-    score: float  # cosine similarity to the question (higher is closer)
+    score: float  # relevance, higher is closer: cosine similarity (dense) or the fused RRF score (hybrid)
     kv_key: str  # store key of its states at the canonical position
     source: str  # file it came from
     text: str = ""  # for display only; the model reads the cached states
@@ -136,6 +138,10 @@ class CachedRAG:
     machines share: states encoded by one are read by the others. ``conditioning``
     (``"neutral"``, ``"neutral:2"``) encodes every chunk after neutral passages as well as
     the preamble (see :mod:`pcache_rag.assembly`); an index keeps the one it was built with.
+    ``retrieval``: ``"hybrid"`` fuses BM25 with the dense ranking (:mod:`pcache_rag.rag.lexical`),
+    ``"dense"`` is MiniLM alone. ``calibration``: calibrated attention for answers: ``"auto"``
+    (the index's own, chosen by ``pcache-rag calibrate`` for this model; none if it has none),
+    ``"none"``, or ``"ape:T:S"`` (see :mod:`pcache_rag.rag.calibrate`).
     """
 
     def __init__(
@@ -152,7 +158,13 @@ class CachedRAG:
         recompute: str | None = None,
         kv_url: str | None = None,
         conditioning: str | None = None,
+        retrieval: str = "hybrid",
+        calibration: str | None = "auto",
     ):
+        self.retrieval = check_retrieval(retrieval)
+        if calibration not in (None, "auto"):
+            Calibration.parse(calibration)  # refused by name before anything loads
+        self._calibration_arg = calibration
         self.index_dir = check_index_dir(index_dir, create)
         #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
         self.recompute = None if recompute is None else str(Recompute.parse(recompute))
@@ -188,6 +200,7 @@ class CachedRAG:
         self._refresh_lock = threading.RLock()
         self._ingesting = 0  # ingests running in this process (their commits are our own)
         self._manifest_stamp: tuple | None = None  # (mtime, size, inode) of the manifest last read
+        self._bm25 = BM25Index()
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
         self.asm = Assembler(self.pc, system_prompt, conditioning=cond)
@@ -703,10 +716,67 @@ class CachedRAG:
         on_disk = int(_read_manifest(self.index_dir, quiet=True).get("generation", 0))
         self.generation = max(on_disk, self.generation) + 1
         self.manifest = {"format": _FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n,
-                         "conditioning": self.asm.conditioning, "generation": self.generation}
+                         "conditioning": self.asm.conditioning, "generation": self.generation,
+                         **({"calibration": self.manifest["calibration"]} if "calibration" in self.manifest else {})}
         tmp = self.index_dir / (MANIFEST + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.manifest, indent=1))
         os.replace(tmp, self.index_dir / MANIFEST)
+
+    # ------------------------------------------------------------------ calibration
+
+    @property
+    def calibration(self) -> tuple[str | None, str]:
+        """``(the calibration answers use, where it comes from)``: the constructor's, or the
+        index's own when it was chosen for this model (``pcache-rag calibrate``)."""
+        arg = self._calibration_arg
+        if arg not in (None, "auto"):
+            c = Calibration.parse(arg)
+            return (c.spec if c else None), "given"
+        if arg is None:
+            return None, "given"
+        saved = self.manifest.get("calibration") or {}
+        if not saved:
+            return None, "none: the index was not calibrated"
+        if saved.get("fingerprint") != self.pc.fingerprint:
+            return None, "none: the index was calibrated for another model or settings"
+        att = saved.get("attention", "none")
+        return (None if att == "none" else att), (f"the index's (KL {saved.get('kl', 0):.4f} against "
+                                                  f"{saved.get('kl_uncalibrated', 0):.4f} uncalibrated)")
+
+    def calibrate(self, n: int = 24, k: int | None = None, progress: bool = True, save: bool = True, grid=None):
+        """Choose calibrated attention for this index and model without labels
+        (:func:`pcache_rag.rag.calibrate.calibrate`) and, with ``save``, keep the choice in the
+        manifest, where every process serving the index sees it at its next question."""
+        from .calibrate import DEFAULT_GRID, calibrate
+
+        self.refresh()
+        rep = calibrate(self, n=n, k=k, progress=progress, grid=DEFAULT_GRID if grid is None else grid)
+        if save:
+            lock = self._lock()
+            try:
+                self.manifest = dict(_read_manifest(self.index_dir, quiet=True) or self.manifest)
+                self.manifest["calibration"] = rep.manifest_entry()
+                self._commit()
+            finally:
+                lock.release()
+        return rep
+
+    def _answer_gen(self, gen: dict) -> dict:
+        """``gen`` with this index's recompute policy and calibration (a policy that recomputes
+        runs uncalibrated: the two do not combine, and the log says so once)."""
+        gen.setdefault("recompute", self.recompute)
+        if "calibration" in gen:
+            return gen
+        cal, _src = self.calibration
+        rc = gen.get("recompute")
+        if cal is not None and rc is not None and Recompute.parse(rc).kind != "none":
+            if not getattr(self, "_warned_cal", False):
+                log.warning("recompute %s runs without the index's calibrated attention (%s): they do not combine",
+                            rc, cal)
+                self._warned_cal = True
+            cal = None
+        gen["calibration"] = cal
+        return gen
 
     # ------------------------------------------------------------------ retrieve and answer
 
@@ -718,12 +788,11 @@ class CachedRAG:
         k = self.k if k is None else _check_k(k)
         _check_question(question)
         self.refresh()
-        emb = self.embedder.embed([question])[0]
-        hits = self.index.query(emb, k)
+        hits = self._search(question, k)
         if any(doc is None or meta is None for _cid, _s, doc, meta in hits):
             # chunks that vanished since chroma's vector index was loaded: look again
             self.refresh(force=True)
-            hits = self.index.query(emb, k)
+            hits = self._search(question, k)
         gone = [cid for cid, _s, doc, meta in hits if doc is None or meta is None]
         if gone:
             hits = [h for h in hits if h[2] is not None and h[3] is not None]
@@ -742,6 +811,32 @@ class CachedRAG:
         if prefetch and fn is not None and handles:
             fn([h.kv_key for h in handles])
         return handles
+
+    def _search(self, question: str, k: int) -> list[tuple]:
+        """``[(id, score, text, metadata)]``, best first: the dense ranking, or (hybrid) the
+        dense and BM25 rankings to a depth of ``max(4k, 20)``, fused by reciprocal rank."""
+        emb = self.embedder.embed([question])[0]
+        if self.retrieval == "dense":
+            return self.index.query(emb, k)
+        depth = max(4 * k, 20)
+        dense = self.index.query(emb, depth)
+        self._bm25.ensure((self.generation, id(self._index)), self.index.texts)
+        lexical = self._bm25.search(question, depth)
+        fused = rrf([[h[0] for h in dense], [cid for cid, _ in lexical]])[:k]
+        by_id = {h[0]: h for h in dense}
+        bm25 = dict(lexical)
+        extra = self.index.get([cid for cid, _ in fused if cid not in by_id])
+        out = []
+        for cid, score in fused:
+            doc, meta = by_id[cid][2:] if cid in by_id else extra.get(cid, (None, None))
+            if meta is not None:
+                meta = dict(meta)
+                if cid in by_id:
+                    meta["similarity"] = round(by_id[cid][1], 6)
+                if cid in bm25:
+                    meta["bm25"] = round(bm25[cid], 6)
+            out.append((cid, score, doc, meta))
+        return out
 
     def _fit_question(self, question: str, handles: list[ModuleHandle], gen: dict) -> list[int]:
         """The question's ids, or :class:`ContextOverflowError` if the prompt cannot fit."""
@@ -781,7 +876,7 @@ class CachedRAG:
             handles = self.retrieve(question, k)
         t_ret = time.perf_counter() - t0
         q_ids = self._fit_question(question, handles, gen)
-        gen.setdefault("recompute", self.recompute)
+        gen = self._answer_gen(gen)
         parts = self._parts(handles)  # fetches states, encoding lazy chunks on first use
         t_pre = time.perf_counter() - t0
         out = self.pc.generate_parts(parts, q_ids, preamble="preamble", **gen)
@@ -793,7 +888,7 @@ class CachedRAG:
         if handles is None:
             handles = self.retrieve(question, k)
         q_ids = self._fit_question(question, handles, gen)
-        gen.setdefault("recompute", self.recompute)
+        gen = self._answer_gen(gen)
         return self.pc.stream_parts(self._parts(handles), q_ids, preamble="preamble", **gen)
 
     def full_prompt_ids(self, question: str, handles: list[ModuleHandle]) -> list[int]:
@@ -812,7 +907,8 @@ class CachedRAG:
             handles = self.retrieve(question, k, prefetch=False)
         t_ret = time.perf_counter() - t0
         self._fit_question(question, handles, gen)
-        gen.pop("recompute", None)  # nothing is cached: there is nothing to recompute
+        gen.pop("recompute", None)  # nothing is cached: there is nothing to recompute or calibrate
+        gen.pop("calibration", None)
         out = self.pc.generate_parts([], self.full_prompt_ids(question, handles), **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 

@@ -340,6 +340,10 @@ class AnswerService:
             "tiers": tiers,
             "states": states,  # lazily indexed chunks: hot (encoded on first use) and cold
             "encoded": st["encoded"],  # by this process: zero when another one encoded everything
+            # how answers read the cache: calibrated attention (and where it comes from), conditioning, retrieval
+            "calibration": dict(zip(("attention", "source"), self.rag.calibration)),
+            "conditioning": self.rag.asm.conditioning,
+            "retrieval": self.rag.retrieval,
             "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
             **self.counts,
             "ingest": self.ingest_status(),
