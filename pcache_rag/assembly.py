@@ -52,6 +52,7 @@ from pathlib import Path
 from .engine import ContextOverflowError, GenerationOutput, PromptCache, _gen_kwargs
 from .kv import ModuleKV
 from .pml import bos_ids
+from .conditioning import NEUTRAL_PASSAGES, neutral_text, parse_conditioning  # noqa: F401 - re-exported
 from .store import unit_key
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ DEFAULT_SYSTEM = (
 # A prompt longer than this with no document marks gets a warning (short chats do not).
 _WARN_TOKENS = 256
 
-#: the neutral passages of conditioned encoding, in order
-NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt")
 #: the conditioning of RAG documents (CachedRAG's new indexes, the connectors' content-addressed
 #: documents) where the engine allows it; PML schemas keep the paper's semantics
 DEFAULT_CONDITIONING = "none"
@@ -87,27 +86,6 @@ def default_conditioning(pc: PromptCache) -> str:
                  "(this engine: encoding=%r, %s positions)", pc.encoding, pc.adapter.family)
         return "none"
     return DEFAULT_CONDITIONING
-
-
-def parse_conditioning(spec: str | None) -> int:
-    """How many neutral passages a conditioning spec puts before each document: ``None`` or
-    ``"none"`` (0: the paper's semantics), ``"neutral"`` (1) or ``"neutral:N"`` (N)."""
-    if spec in (None, "", "none"):
-        return 0
-    name, _, n = str(spec).partition(":")
-    if name == "neutral" and (not n or n.isdigit()):
-        k = int(n or 1)
-        if 1 <= k <= len(NEUTRAL_PASSAGES):
-            return k
-    raise ValueError(f"conditioning must be 'none', 'neutral' or 'neutral:N' with N from 1 to "
-                     f"{len(NEUTRAL_PASSAGES)}, not {spec!r}")
-
-
-def neutral_text(n: int) -> str:
-    """The first ``n`` neutral passages, each ending with a blank line (as a document does)."""
-    folder = Path(__file__).parent / "data"
-    return "".join((folder / name).read_text(encoding="utf-8").strip() + DOC_SEPARATOR
-                   for name in NEUTRAL_PASSAGES[:n])
 
 
 class PCacheFallbackWarning(UserWarning):

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .kv import BufferLayer, ModuleKV, Workspace
 from .models import UnsupportedModelError, adapter_for
 from .models.attention import CalibratedSpan, Calibration, calibrated
+from .conditioning import neutral_text, parse_conditioning
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
 from .pml.layout import PromptPlan, Unit, bos_ids
@@ -118,6 +119,7 @@ class _SchemaState:
     layout: SchemaLayout
     keys: dict[str, str] = field(default_factory=dict)  # unit name -> store key
     context: dict[str, str | None] = field(default_factory=dict)  # unit name -> key of what it attended to
+    conditioning: tuple | None = None  # (preamble key, passage ids, context key) of a conditioned schema
 
 
 @dataclass(slots=True)
@@ -241,12 +243,20 @@ class PromptCache:
         """
         t0 = time.perf_counter()
         layout = layout_schema(schema_pml, self.tokenizer, self.chat, self.max_positions)
+        n_cond = self._check_schema_conditioning(layout)
         with self._lock:
             state = _SchemaState(layout)
             pre = layout.units.get(layout.preamble) if layout.preamble else None
             pre_key = None
             if pre is not None:
                 pre_key = unit_key(self.fingerprint, pre.token_ids, pre.position_ids, None, pre.kind)
+            unit_ctx = pre_key
+            if n_cond and pre is not None:  # modules attend to the preamble and the neutral passages
+                cond_ids = self.safe.text(neutral_text(n_cond))
+                P = len(pre.token_ids)
+                unit_ctx = unit_key(self.fingerprint, cond_ids, range(P, P + len(cond_ids)), pre_key,
+                                    "pml-conditioning")
+                state.conditioning = (pre_key, cond_ids, unit_ctx)
             units = list(layout.units.values())
             encoded = 0
             it = units
@@ -255,12 +265,12 @@ class PromptCache:
 
                 it = tqdm(units, desc=f"encoding {layout.name}", unit="module")
             for u in it:
-                ctx = pre_key if (self.encoding == "preamble" and pre is not None and u is not pre) else None
+                ctx = unit_ctx if (self.encoding == "preamble" and pre is not None and u is not pre) else None
                 key = unit_key(self.fingerprint, u.token_ids, u.position_ids, ctx, u.kind)
                 state.keys[u.name] = key
                 state.context[u.name] = ctx
                 if not self.store.contains(key):
-                    self._encode_unit(layout, u, key, ctx)
+                    self._encode_unit(state, u, key, ctx)
                     encoded += 1
             self._schemas[layout.name] = state
             self.workspace.invalidate()
@@ -270,14 +280,52 @@ class PromptCache:
             )
             return layout
 
-    def _encode_unit(self, layout: SchemaLayout, u: Unit, key: str, ctx: str | None) -> ModuleKV:
+    def _check_schema_conditioning(self, layout: SchemaLayout) -> int:
+        """How many neutral passages the schema's modules are encoded after (0: the paper's
+        semantics); refused by name where the states cannot be moved back or have no preamble."""
+        n = parse_conditioning(layout.conditioning)
+        if not n:
+            return 0
+        why = None
+        if self.encoding != "preamble":
+            why = "it extends the preamble context, so it needs encoding='preamble'"
+        elif layout.preamble is None:
+            why = "the schema has no preamble (text before its first module) to extend"
+        elif not (getattr(self.adapter, "rerotatable", False) or self.adapter.family == "alibi"):
+            why = f"it needs states that can move (RoPE or ALiBi); {self.model.config.model_type}'s cannot"
+        if why:
+            raise PMLError(f"schema {layout.name!r}: conditioning={layout.conditioning!r} cannot be used: {why}", 1, 1)
+        return n
+
+    def _encode_unit(self, state: _SchemaState, u: Unit, key: str, ctx: str | None) -> ModuleKV:
+        layout = state.layout
         context = None
-        if ctx is not None:
-            pre = layout.units[layout.preamble]
-            context = self.context_states(ctx, pre.token_ids, pre.position_ids)
-        kv = self.encode(u.token_ids, u.position_ids, context=context).to(dtype=self.store_dtype)
+        if ctx is not None and state.conditioning is not None and ctx == state.conditioning[2]:
+            kv = self._encode_conditioned(state, u)
+        else:
+            if ctx is not None:
+                pre = layout.units[layout.preamble]
+                context = self.context_states(ctx, pre.token_ids, pre.position_ids)
+            kv = self.encode(u.token_ids, u.position_ids, context=context).to(dtype=self.store_dtype)
         self.store.put(key, kv)
         return kv
+
+    def _encode_conditioned(self, state: _SchemaState, u: Unit) -> ModuleKV:
+        """``u`` encoded after the preamble and the neutral passages, then moved back to its
+        own positions (a schema with ``conditioning=``)."""
+        pre_key, cond_ids, cond_key = state.conditioning
+        pre = state.layout.units[state.layout.preamble]
+        base = self.context_states(pre_key, pre.token_ids, pre.position_ids)
+        P, C = len(pre.token_ids), len(cond_ids)
+        cond = self.store.get(cond_key)
+        if cond is None:
+            cond = self.encode(cond_ids, list(range(P, P + C)), context=base).to(dtype=self.store_dtype)
+            self.store.put(cond_key, cond)
+        dt, dev = self.adapter.dtype, self.adapter.device
+        ctx = ModuleKV.concat([base, cond.to(device=dev, dtype=dt)])
+        shift = P + C - u.position_ids[0]  # the unit right after the passages, its gaps kept
+        kv = self.encode(u.token_ids, [p + shift for p in u.position_ids], context=ctx)
+        return self.adapter.move(kv, -shift).to(dtype=self.store_dtype)
 
     def stored_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
         """The stored states under ``key``, encoding (and storing) them first if absent."""
@@ -307,7 +355,7 @@ class PromptCache:
             if kv is None:
                 u = plan.units[i]
                 log.info("re-encoding %s: not in the store", u.name)
-                kvs[i] = self._encode_unit(plan.layout, u, keys[i], state.context[u.name])
+                kvs[i] = self._encode_unit(state, u, keys[i], state.context[u.name])
         return kvs
 
     def prefetch(self, prompt_pml: str, union_members: bool = False):
@@ -330,6 +378,15 @@ class PromptCache:
             return self._schemas[name].layout
         except KeyError:
             raise PMLError(f"no schema named {name!r} was added; call add_schema first") from None
+
+    def unit_key(self, schema: str, unit: str) -> str:
+        """The store key of ``unit``'s states in the added ``schema`` (a module's name, or an
+        anonymous unit's, such as the preamble ``"#0"``)."""
+        self.schema(schema)
+        try:
+            return self._schemas[schema].keys[unit]
+        except KeyError:
+            raise PMLError(f"schema {schema!r} has no unit named {unit!r}") from None
 
     @torch.no_grad()
     def encode(

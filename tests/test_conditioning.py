@@ -100,3 +100,40 @@ def test_an_index_keeps_its_conditioning(smol, tmp_path):
     with pytest.raises(ValueError, match="was encoded with conditioning"):
         CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=2,
                   conditioning="none")
+
+
+def test_a_schema_opts_in_per_schema(smol):
+    """``<schema conditioning="neutral">``: each module's states equal one stock causal forward over
+    preamble + passage + module, moved back to the module's own positions; the preamble is
+    encoded as it always is; schemas without the attribute keep the paper's semantics."""
+    from pcache_rag.kv import ModuleKV
+    from pcache_rag.pml import PMLError
+
+    pc = PromptCache(smol.model, smol.tokenizer, store_dtype=torch.float32)
+    body = f'<system>You answer from the notes.</system><module name="vault">{CHUNK}</module>'
+    pc.add_schema(f'<schema name="plain">{body}</schema>')
+    pc.add_schema(f'<schema name="cond" conditioning="neutral">{body}</schema>')
+    lay = pc.schema("cond")
+    pre, mod = lay.units[lay.preamble], lay.units["vault"]
+    kv = pc.store.get(pc.unit_key("cond", "vault"))
+    assert kv.position_ids.tolist() == mod.position_ids
+    assert pc.unit_key("cond", "vault") != pc.unit_key("plain", "vault"), "never mixed with the plain schema"
+    assert pc.unit_key("cond", lay.preamble) == pc.unit_key("plain", pc.schema("plain").preamble)
+    cond_ids = pc.safe.text(neutral_text(1))
+    full = pre.token_ids + cond_ids + mod.token_ids
+    C = len(pre.token_ids) + len(cond_ids)
+    with torch.no_grad():
+        out = smol.model(input_ids=torch.tensor([full]), use_cache=True)
+    layers = out.past_key_values.layers
+    ref = ModuleKV(torch.stack([x.keys[0, :, C:] for x in layers]), torch.stack([x.values[0, :, C:] for x in layers]),
+                   torch.tensor(mod.token_ids), torch.arange(C, C + len(mod.token_ids)))
+    ref = pc.place(ref, mod.position_ids[0])
+    assert torch.allclose(kv.values, ref.values, atol=2e-4, rtol=1e-3)
+    assert torch.allclose(kv.keys, ref.keys, atol=2e-3, rtol=1e-3)
+    out = pc.generate('<prompt schema="cond"><vault/><user>What is the code?</user></prompt>', max_new_tokens=4)
+    assert out.cached_tokens == len(pre.token_ids) + len(mod.token_ids)
+    with pytest.raises(ValueError, match="conditioning must be"):
+        pc.add_schema(f'<schema name="bad" conditioning="loud">{body}</schema>')
+    iso = PromptCache(smol.model, smol.tokenizer, encoding="isolated")
+    with pytest.raises(PMLError, match="encoding='preamble'"):
+        iso.add_schema(f'<schema name="cond" conditioning="neutral">{body}</schema>')

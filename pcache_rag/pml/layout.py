@@ -75,6 +75,7 @@ class SchemaLayout:
     unions: list[list[str]]  # member names of each union
     chat: ChatFormat
     source: str = ""  # the schema PML
+    conditioning: str = "none"  # the schema's opt-in to conditioned encoding (see pcache_rag.conditioning)
 
 
 @dataclass(slots=True)
@@ -280,7 +281,7 @@ def layout_schema(
             f"schema {schema.name!r} lays out to {lo.pos} positions but the model takes at most "
             f"{max_positions}; shorten modules, or put long alternatives in a <union>"
         )
-    return SchemaLayout(schema.name, units, lo.pos, preamble, lo.unions, chat, source)
+    return SchemaLayout(schema.name, units, lo.pos, preamble, lo.unions, chat, source, schema.conditioning)
 
 
 def _unknown(name: str, layout: SchemaLayout, imp: Import) -> PMLError:

@@ -120,6 +120,7 @@ class Schema:
 
     name: str
     body: tuple[Node, ...]
+    conditioning: str = "none"  # <schema conditioning="neutral">: modules encoded after neutral passages
 
 
 @dataclass(slots=True, frozen=True)
@@ -552,10 +553,11 @@ def parse_schema(source: str) -> Schema:
     root = _Reader(source).parse_document()
     if root.tag != "schema":
         raise PMLError(f"expected <schema name=...> as the root element, found <{root.tag}>", root.line, root.column)
-    _only_attrs(root, ("name",))
+    _only_attrs(root, ("name", "conditioning"))
     name = _check_name(root)
+    cond = root.attrs.get("conditioning", "none").strip() or "none"
     b = _SchemaBuilder()
-    return Schema(name, b.body(root.children, False, False))
+    return Schema(name, b.body(root.children, False, False), cond)
 
 
 def parse_prompt(source: str) -> Prompt:
