@@ -73,7 +73,10 @@ _WARN_TOKENS = 256
 
 #: the conditioning of RAG documents (CachedRAG's new indexes, the connectors' content-addressed
 #: documents) where the engine allows it; PML schemas keep the paper's semantics
-DEFAULT_CONDITIONING = "none"
+DEFAULT_CONDITIONING = "neutral"
+#: documents shorter than this are encoded without conditioning: the passage (~390 tokens)
+#: outweighs a document of a few words (README, "Conditioned encoding")
+MIN_CONDITIONED_TOKENS = 64
 
 
 def default_conditioning(pc: PromptCache) -> str:
@@ -221,10 +224,15 @@ class Assembler:
         document's key never depends on the whitespace a template puts after it."""
         return self.pc.safe.text(unmark(text).strip() + DOC_SEPARATOR)
 
+    def conditioned(self, ids: Sequence[int]) -> bool:
+        """Whether ``ids`` are encoded after the conditioning passages: with conditioning set,
+        every document of at least :data:`MIN_CONDITIONED_TOKENS` tokens."""
+        return bool(self.cond_ids) and len(ids) >= MIN_CONDITIONED_TOKENS
+
     def key(self, ids: Sequence[int], start: int | None = None) -> str:
         """The store key of ``ids`` encoded at ``start`` (default: the canonical position)."""
         s = self.start if start is None else start
-        ctx = self.ctx_key if self.pc.encoding == "preamble" else None
+        ctx = (self.ctx_key if self.conditioned(ids) else self.base_key) if self.pc.encoding == "preamble" else None
         return unit_key(self.pc.fingerprint, list(ids), range(s, s + len(ids)), ctx, "rag-chunk")
 
     def conditioned_context(self) -> ModuleKV:
@@ -248,7 +256,7 @@ class Assembler:
         the conditioning passages after it when set) and store them (unless ``store`` is False)."""
         s = self.start if start is None else start
         key = key or self.key(ids, s)
-        if self.cond_ids:
+        if self.conditioned(ids):
             ctx = self.conditioned_context()
             C = ctx.length
             kv = self.pc.encode(list(ids), list(range(C, C + len(ids))), context=ctx)
@@ -508,5 +516,5 @@ def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
     ])
 
 
-__all__ = ["Assembler", "sampling", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
+__all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
            "split_marked", "unmark", "DOC_OPEN", "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids"]

@@ -67,10 +67,15 @@ COND_MODES = ("cond:1", "cond:2")
 def split_mode(mode: str) -> tuple[str, str | None]:
     """``(base mode, calibration)`` of a mode: ``ape:T:S`` alone is the preamble encoding with
     calibrated attention (:mod:`pcache_rag.models.attention`), and ``BASE+ape:T:S`` adds it to
-    a cached mode without recompute (``cond:1+ape:0.9:0.9``)."""
+    a cached mode without recompute (``cond:1+ape:0.9:0.9``). ``cond:N+POLICY`` is a recompute
+    policy on conditioned states (``cond:1+epic:16``); its base is returned whole."""
     base, _, cal = mode.partition("+")
     if base.startswith("ape:"):
         base, cal = "preamble", base
+    if cal and not cal.startswith("ape:"):
+        if base not in COND_MODES:
+            raise ValueError(f"eval mode {mode!r}: a recompute policy after '+' goes with {', '.join(COND_MODES)}")
+        return mode, None
     if cal:
         from .models.attention import Calibration
 
@@ -83,7 +88,7 @@ def split_mode(mode: str) -> tuple[str, str | None]:
 
 def encoding_of(mode: str) -> str:
     """The document encoding a mode reads: ``isolated``, ``preamble`` or a ``cond:N``."""
-    mode = split_mode(mode)[0]
+    mode = split_mode(mode)[0].partition("+")[0]
     if mode == "isolated" or mode.startswith("cond:"):
         return mode
     return "preamble"
@@ -92,6 +97,8 @@ def encoding_of(mode: str) -> str:
 def _cached_request_policy(mode: str) -> tuple[str, str | None]:
     """``(recompute, calibration)`` of a cached mode's request."""
     base, cal = split_mode(mode)
+    if "+" in base:  # a recompute policy on conditioned states
+        return base.partition("+")[2], cal
     return ("none" if base in ("isolated", "preamble", "own-system") + COND_MODES else base), cal
 #: ``oracle:fact``: tokens taken either side of a fact sentence (its tokenization at a cut may merge)
 ORACLE_MARGIN = 2
@@ -419,7 +426,7 @@ class _Synthetic:
                 for d in q.docs:
                     self._doc_kv(encoding_of(mode), d)
         reqs = [self.request(m, q) for m in modes]
-        return self.pcs["preamble"].generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
+        return _decode_apart(self.pcs["preamble"], modes, reqs, max_new_tokens)
 
 
 def rag_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: str = "reporting"):
@@ -483,8 +490,22 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         parts = rag._parts(hs)
         fetch.append(time.perf_counter() - t0)
         reqs.append((parts, q_ids, "preamble") + _cached_request_policy(mode))
-    outs = rags["preamble"].pc.generate_parts_batch(reqs, max_new_tokens=max_new_tokens, stop=["\n"])
+    outs = _decode_apart(rags["preamble"].pc, modes, reqs, max_new_tokens)
     return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
+
+
+def _decode_apart(pc, modes, reqs, max_new_tokens: int) -> list:
+    """Every request decoded greedily, full prefill's in a batch of its own: batched products
+    round by batch shape, so full prefill's answers do not depend on which modes run beside it."""
+    full = [i for i, m in enumerate(modes) if m.startswith("full")]
+    rest = [i for i in range(len(modes)) if i not in full]
+    outs: list = [None] * len(modes)
+    for idx in (full, rest):
+        if idx:
+            for i, o in zip(idx, pc.generate_parts_batch([reqs[i] for i in idx], max_new_tokens=max_new_tokens,
+                                                         stop=["\n"])):
+                outs[i] = o
+    return outs
 
 
 def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1, 2, 4, 8), seed: int = 0,
@@ -543,7 +564,9 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
 
     for m in modes:
         base, _ = split_mode(m)
-        if base not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
+        if "+" in base:
+            Recompute.parse(base.partition("+")[2])
+        elif base not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
             Recompute.parse(base)
     synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
     if "rag" in sets and synthetic_only:

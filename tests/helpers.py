@@ -41,6 +41,16 @@ def tiny_model(family: str, vocab: int, seed: int = 0):
     raise ValueError(family)
 
 
+def contiguous_parts(pc, texts, question: str = " Which chunk is third?"):
+    """``(parts, question ids)``: each text encoded apart, at contiguous positions (as RAG places them)."""
+    parts, pos = [], 0
+    for i, t in enumerate(texts):
+        ids = pc.safe.text(t)
+        parts.append((f"c{i}", pc.encode(ids, list(range(pos, pos + len(ids))))))
+        pos += len(ids)
+    return parts, pc.safe.text(question)
+
+
 def reference_allowed(res, encoding: str, preamble: str | None = "#0") -> torch.Tensor:
     """The attention pattern of docs/pml.md over ``res.input_ids``, built from the spans.
 

@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 
-from helpers import tiny_model
+from helpers import contiguous_parts, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.models import attention as A
@@ -92,14 +92,8 @@ AttentionInterface.register(REF, _reference_attention)
 
 
 def _parts(pc):
-    texts = ["System words at the start of it all.", "Alpha document with several words in it.",
-             "Bravo text that follows the alpha one.", "Charlie is the third chunk of context."]
-    parts, pos = [], 0
-    for i, t in enumerate(texts):
-        ids = pc.safe.text(t)
-        parts.append((f"c{i}", pc.encode(ids, list(range(pos, pos + len(ids))))))
-        pos += len(ids)
-    return parts, pc.safe.text(" Which chunk is third?")
+    return contiguous_parts(pc, ["System words at the start of it all.", "Alpha document with several words in it.",
+                                 "Bravo text that follows the alpha one.", "Charlie is the third chunk of context."])
 
 
 def _reference_greedy(pc, parts, new_ids, cal, steps):

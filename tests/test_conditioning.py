@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pcache_rag import PromptCache
-from pcache_rag.assembly import Assembler, neutral_text, parse_conditioning
+from pcache_rag.assembly import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
 
 pytestmark = pytest.mark.real_model
 
@@ -53,10 +53,17 @@ def test_conditioning_is_part_of_every_key(smol):
     pc = PromptCache(smol.model, smol.tokenizer)
     asms = [Assembler(pc, conditioning=None), Assembler(pc, conditioning="neutral"),
             Assembler(pc, conditioning="neutral:2")]
-    assert Assembler(pc).conditioning == "none", "the default keeps the paper's semantics (README)"
-    ids = asms[0].doc_ids(CHUNK)
+    assert Assembler(pc).conditioning == "neutral:1", "RAG documents are conditioned by default (README)"
+    ids = asms[0].doc_ids(CHUNK * 4)
+    assert len(ids) >= MIN_CONDITIONED_TOKENS
     keys = {a.key(ids) for a in asms}
     assert len(keys) == 3, "states encoded under different conditioning never mix"
+    short = asms[0].doc_ids("The secret colour is teal.")
+    assert len(short) < MIN_CONDITIONED_TOKENS and not asms[1].conditioned(short) and asms[1].conditioned(ids)
+    assert len({a.key(short) for a in asms}) == 1, "a very short document is encoded without the passages"
+    kv = asms[1].encode_ids(short, store=False)
+    ref = asms[0].encode_ids(short, store=False)
+    assert torch.equal(kv.values, ref.values)
     assert {a.conditioning for a in asms} == {"none", "neutral:1", "neutral:2"}
     iso = PromptCache(smol.model, smol.tokenizer, encoding="isolated")
     with pytest.raises(ValueError, match="encoding='preamble'"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from helpers import tiny_model
+from helpers import contiguous_parts, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.recompute import Recompute, epic_rows, focus_scores, recompute_mask
@@ -44,12 +44,7 @@ def pc(request, smol_tok):
 
 def _parts(pc):
     """Three chunks encoded apart, at contiguous positions (as RAG places them)."""
-    parts, pos = [], 0
-    for i, t in enumerate(TEXTS):
-        ids = pc.safe.text(t)
-        parts.append((f"c{i}", pc.encode(ids, list(range(pos, pos + len(ids))))))
-        pos += len(ids)
-    return parts, pc.safe.text(" Which chunk is third?")
+    return contiguous_parts(pc, TEXTS)
 
 
 def _reference(pc, parts, new_ids, rows):
