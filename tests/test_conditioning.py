@@ -14,6 +14,8 @@ from pcache_rag.assembly import MIN_CONDITIONED_TOKENS, Assembler, neutral_text,
 pytestmark = pytest.mark.real_model
 
 CHUNK = "The access code for the copper vault is QX-5521. The archivist keeps the only key."
+#: a document long enough to be conditioned (MIN_CONDITIONED_TOKENS)
+LONG = " ".join([CHUNK] * 4)
 
 
 def test_parse_conditioning():
@@ -27,7 +29,8 @@ def test_parse_conditioning():
 def test_conditioned_states_equal_a_causal_forward_moved_to_the_slot(smol):
     pc = PromptCache(smol.model, smol.tokenizer, store_dtype=torch.float32)
     asm = Assembler(pc, conditioning="neutral")
-    ids = asm.doc_ids(CHUNK)
+    ids = asm.doc_ids(LONG)
+    assert asm.conditioned(ids)
     kv = asm.encode_ids(ids, store=False)
     assert kv.position_ids.tolist() == list(range(asm.start, asm.start + len(ids)))
     # the reference: one ordinary causal forward over preamble + passage + chunk, by the stock model
@@ -54,7 +57,7 @@ def test_conditioning_is_part_of_every_key(smol):
     asms = [Assembler(pc, conditioning=None), Assembler(pc, conditioning="neutral"),
             Assembler(pc, conditioning="neutral:2")]
     assert Assembler(pc).conditioning == "neutral:1", "RAG documents are conditioned by default (README)"
-    ids = asms[0].doc_ids(CHUNK * 4)
+    ids = asms[0].doc_ids(LONG)
     assert len(ids) >= MIN_CONDITIONED_TOKENS
     keys = {a.key(ids) for a in asms}
     assert len(keys) == 3, "states encoded under different conditioning never mix"

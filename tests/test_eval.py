@@ -122,7 +122,7 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
     sets = build_sets(smol_tok, 3, 80, seed=2)
     for name in ("plain", "cross"):
         for q in sets[name]:
-            parts, _, _, policy = syn.request("oracle:fact", q)
+            parts, _, _, policy, _ = syn.request("oracle:fact", q)
             lengths = [kv.length for _, kv in parts]
             ids = [int(i) for _, kv in parts for i in kv.token_ids]
             text = smol_tok.decode([ids[r] for r in policy.rows])
