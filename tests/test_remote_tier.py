@@ -78,7 +78,8 @@ def test_process_b_answers_from_what_a_encoded(server, smol, tmp_path):
     docs = _docs(tmp_path)
     a = _machine(smol, tmp_path / "a", server.url)
     a.ingest([docs], progress=False)
-    assert a.pc.store.remote.stats().puts == len(DOCS) + 1, "chunks and the preamble written through"
+    assert a.asm.conditioning == "neutral:1"  # the RAG default: the neutral passage's states are stored too
+    assert a.pc.store.remote.stats().puts == len(DOCS) + 2, "chunks, the preamble and the passage written through"
 
     b = _machine(smol, tmp_path / "b", server.url, from_index=a.index_dir)
     encodes = _count_encodes(b.pc)
