@@ -195,7 +195,6 @@ class Assembler:
         #: the context a document is encoded after: the preamble, then the conditioning passages
         self.ctx_key = self.base_key
         self.cond_ids: list[int] = []
-        self._ctx_memo: ModuleKV | None = None
         if n:
             if pc.encoding != "preamble":
                 raise ValueError("conditioned encoding extends the preamble context: it needs encoding='preamble'")
@@ -238,17 +237,8 @@ class Assembler:
     def conditioned_context(self) -> ModuleKV:
         """The preamble's states followed by the conditioning passages' (which attend to the
         preamble), in the model's dtype; both stored, the pair memoized."""
-        if self._ctx_memo is None:
-            P, C = len(self.base_ids), len(self.cond_ids)
-            base = self.base()
-            cond = self.pc.store.get(self.ctx_key)
-            if cond is None:
-                ctx = base.to(dtype=self.pc.adapter.dtype, device=self.pc.adapter.device)
-                cond = self.pc.encode(self.cond_ids, list(range(P, P + C)), context=ctx).to(dtype=self.pc.store_dtype)
-                self.pc.store.put(self.ctx_key, cond)
-            dt, dev = self.pc.adapter.dtype, self.pc.adapter.device
-            self._ctx_memo = ModuleKV.concat([base.to(device=dev, dtype=dt), cond.to(device=dev, dtype=dt)])
-        return self._ctx_memo
+        return self.pc.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
+                                           self.ctx_key, self.cond_ids)
 
     def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None,
                    store: bool = True) -> ModuleKV:

@@ -198,6 +198,7 @@ class PromptCache:
         )
         self.last_report: SchemaReport | None = None
         self._context_memo: tuple[str, ModuleKV] | None = None
+        self._cond_memo: tuple[str, ModuleKV] | None = None  # see conditioned_context
         if getattr(self.adapter, "rerotatable", False):
             # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
             # if moved keys do not match keys encoded in place, never move states.
@@ -315,15 +316,8 @@ class PromptCache:
         own positions (a schema with ``conditioning=``)."""
         pre_key, cond_ids, cond_key = state.conditioning
         pre = state.layout.units[state.layout.preamble]
-        base = self.context_states(pre_key, pre.token_ids, pre.position_ids)
-        P, C = len(pre.token_ids), len(cond_ids)
-        cond = self.store.get(cond_key)
-        if cond is None:
-            cond = self.encode(cond_ids, list(range(P, P + C)), context=base).to(dtype=self.store_dtype)
-            self.store.put(cond_key, cond)
-        dt, dev = self.adapter.dtype, self.adapter.device
-        ctx = ModuleKV.concat([base, cond.to(device=dev, dtype=dt)])
-        shift = P + C - u.position_ids[0]  # the unit right after the passages, its gaps kept
+        ctx = self.conditioned_context(pre_key, pre.token_ids, pre.position_ids, cond_key, cond_ids)
+        shift = ctx.length - u.position_ids[0]  # the unit right after the passages, its gaps kept
         kv = self.encode(u.token_ids, [p + shift for p in u.position_ids], context=ctx)
         return self.adapter.move(kv, -shift).to(dtype=self.store_dtype)
 
@@ -334,6 +328,24 @@ class PromptCache:
             kv = self.encode(token_ids, position_ids).to(dtype=self.store_dtype)
             self.store.put(key, kv)
         return kv
+
+    def conditioned_context(self, base_key: str, base_ids: list[int], base_pos: list[int], cond_key: str,
+                            cond_ids: list[int]) -> ModuleKV:
+        """A preamble's states followed by conditioning passages' (which attend to it, at the
+        positions after it), in the model's dtype: both stored, the last pair memoized, so a
+        corpus or a schema encoded after the same context fetches and joins it once."""
+        memo = self._cond_memo
+        if memo is None or memo[0] != cond_key:
+            base = self.context_states(base_key, base_ids, base_pos)
+            P = int(base.position_ids[-1]) + 1
+            cond = self.store.get(cond_key)
+            if cond is None:
+                cond = self.encode(cond_ids, list(range(P, P + len(cond_ids))), context=base)
+                cond = cond.to(dtype=self.store_dtype)
+                self.store.put(cond_key, cond)
+            cond = cond.to(device=self.adapter.device, dtype=self.adapter.dtype)
+            memo = self._cond_memo = (cond_key, ModuleKV.concat([base, cond]))
+        return memo[1]
 
     def context_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
         """A context (the preamble) in the model's dtype, for encoding units that attend to it.
