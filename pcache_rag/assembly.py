@@ -24,9 +24,9 @@ default) whatever prefix a prompt later puts before them: changing a prompt's
 system message re-encodes only the prefix, never the corpus. The cost of that
 approximation is measured in the README ("Your own system prompt").
 
-**Conditioned encoding** (``conditioning="neutral"`` or ``"neutral:2"``): each document
-is encoded after the preamble *and* one or two fixed neutral passages
-(``pcache_rag/data/neutral*.txt``), which are never part of an assembled prompt, then
+**Conditioned encoding** (``conditioning="neutral"`` or ``"neutral:N"``, N up to 4): each
+document is encoded after the preamble *and* fixed neutral passages
+(``pcache_rag/data/neutral*.txt``; or a passage of the caller's, ``conditioning_text``), which are never part of an assembled prompt, then
 moved back to the canonical position. A document encoded alone after the preamble reads
 as if it were the first and only thing said; in a prompt it never is, and its states
 then pull the question towards it. The conditioning is part of every key, so states
@@ -52,7 +52,7 @@ from pathlib import Path
 from .engine import ContextOverflowError, GenerationOutput, PromptCache, _gen_kwargs
 from .kv import ModuleKV
 from .pml import bos_ids
-from .conditioning import NEUTRAL_PASSAGES, neutral_text, parse_conditioning  # noqa: F401 - re-exported
+from .conditioning import NEUTRAL_PASSAGES, neutral_text, parse_conditioning, passage_spec  # noqa: F401 - re-exported
 from .store import unit_key
 
 log = logging.getLogger(__name__)
@@ -181,17 +181,26 @@ class Assembler:
     :class:`pcache_rag.rag.CachedRAG` uses the same one, so both share states.
     ``conditioning`` adds neutral passages to that context (see the module docstring):
     ``"default"`` is :func:`default_conditioning`, ``None`` or ``"none"`` the paper's semantics.
+    ``conditioning_text`` conditions on that passage instead of the neutral ones (a passage
+    drawn from the corpus, say); :attr:`conditioning` is then ``"passage:<hash of it>"``.
     """
 
-    def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default"):
+    def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default",
+                 conditioning_text: str | None = None):
         self.pc = pc
         if conditioning == "default":
             conditioning = default_conditioning(pc)
         self.system_prompt = system_prompt
         self.base_ids = preamble_ids(pc, system_prompt)
         self.base_key = unit_key(pc.fingerprint, self.base_ids, range(len(self.base_ids)), None, "rag-preamble")
-        n = parse_conditioning(conditioning)
-        self.conditioning = f"neutral:{n}" if n else "none"
+        if conditioning_text is not None:
+            if not conditioning_text.strip():
+                raise ValueError("conditioning_text is empty: give a passage, or conditioning='none'")
+            n = -1  # the caller's passage, not the neutral ones
+            self.conditioning = passage_spec(conditioning_text)
+        else:
+            n = parse_conditioning(conditioning)
+            self.conditioning = f"neutral:{n}" if n else "none"
         #: the context a document is encoded after: the preamble, then the conditioning passages
         self.ctx_key = self.base_key
         self.cond_ids: list[int] = []
@@ -201,7 +210,8 @@ class Assembler:
             if pc.adapter.family == "learned":
                 raise ValueError(f"conditioned encoding needs states that can move (RoPE or ALiBi); "
                                  f"{pc.model.config.model_type}'s learned positions cannot")
-            self.cond_ids = pc.safe.text(neutral_text(n))
+            text = neutral_text(n) if n > 0 else conditioning_text.strip() + DOC_SEPARATOR
+            self.cond_ids = pc.safe.text(text)
             P = len(self.base_ids)
             self.ctx_key = unit_key(pc.fingerprint, self.cond_ids, range(P, P + len(self.cond_ids)), self.base_key,
                                     "rag-conditioning")

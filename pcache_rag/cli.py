@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--store-dtype", choices=("float16", "int8"), default="float16",
                        help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
         x.add_argument("--conditioning", default=None, metavar="SPEC",
-                       help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:2 "
+                       help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:N (N up to 4) "
                             "(default: the index's own; for a new index, the RAG default)")
         x.add_argument("--retrieval", choices=("hybrid", "dense"), default="hybrid",
                        help="hybrid: BM25 fused with the dense ranking (reciprocal rank fusion); dense: MiniLM alone")

@@ -5,6 +5,8 @@ said; in an assembled prompt it never is. Conditioned encoding encodes it after 
 preamble *and* fixed neutral passages (``pcache_rag/data/neutral*.txt``), which are
 never part of a prompt, then moves its states back to their own positions. The spec
 is ``"none"`` (the paper's semantics), ``"neutral"`` (one passage) or ``"neutral:N"``.
+A caller may instead give its own passage (``Assembler(conditioning_text=...)``, for
+instance one drawn from the corpus); its spec is then ``"passage:<hash>"``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 #: the neutral passages of conditioned encoding, in order
-NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt")
+NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt", "neutral3.txt", "neutral4.txt")
 #: what follows each passage (a blank line, as after a document)
 SEPARATOR = "\n\n"
 
@@ -37,4 +39,11 @@ def neutral_text(n: int) -> str:
     return "".join((folder / name).read_text(encoding="utf-8").strip() + SEPARATOR
                    for name in NEUTRAL_PASSAGES[:n])
 
-__all__ = ["NEUTRAL_PASSAGES", "neutral_text", "parse_conditioning"]
+def passage_spec(text: str) -> str:
+    """The conditioning spec of a caller's own passage: ``"passage:"`` and a hash of its text."""
+    import hashlib
+
+    return "passage:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+__all__ = ["NEUTRAL_PASSAGES", "neutral_text", "parse_conditioning", "passage_spec"]

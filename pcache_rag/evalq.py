@@ -61,7 +61,11 @@ OWN_MODES = ("own-system", "full-own-system")
 ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
 #: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
 #: passages; see :mod:`pcache_rag.assembly`), read from the cache with nothing recomputed
-COND_MODES = ("cond:1", "cond:2")
+#: ``cond:corpus`` conditions on one passage drawn from the eval's own filler corpus instead
+#: (synthetic sets only)
+COND_MODES = ("cond:1", "cond:2", "cond:4", "cond:corpus")
+#: where the ``cond:corpus`` passage is drawn from the filler (an offset no question's documents use)
+CORPUS_PASSAGE = 60_000
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -337,6 +341,7 @@ class _Synthetic:
         self.cache: dict[tuple[str, str], object] = {}
         self.asms: dict[str, object] = {}  # conditioned encodings, through the RAG path's own Assembler
         self.encode_cost: dict[str, list[float]] = {}  # encoding -> [tokens, seconds] of documents encoded
+        self.corpus_passage = ""  # ``cond:corpus``'s passage (set by run_eval, per split)
 
     def doc_ids(self, doc: str) -> list[int]:
         return self.pcs["preamble"].safe.text(doc + "\n\n")
@@ -355,7 +360,11 @@ class _Synthetic:
 
             asm = self.asms.get(enc)
             if asm is None:
-                asm = self.asms[enc] = Assembler(self.pcs["preamble"], SYSTEM, conditioning=f"neutral:{enc[5:]}")
+                if enc == "cond:corpus":
+                    asm = Assembler(self.pcs["preamble"], SYSTEM, conditioning_text=self.corpus_passage)
+                else:
+                    asm = Assembler(self.pcs["preamble"], SYSTEM, conditioning=f"neutral:{enc[5:]}")
+                self.asms[enc] = asm
             kv = self.cache[key] = asm.encode_ids(self.doc_ids(doc), store=False)
             self._count(enc, kv.length, t0)
         if kv is None:
@@ -568,7 +577,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             Recompute.parse(base.partition("+")[2])
         elif base not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
             Recompute.parse(base)
-    synthetic_only = sorted(set(modes) & set(OWN_MODES + ORACLE_MODES))
+    synthetic_only = sorted(m for m in modes if m in OWN_MODES + ORACLE_MODES or encoding_of(m) == "cond:corpus")
     if "rag" in sets and synthetic_only:
         raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
     _split(split)
@@ -584,6 +593,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
     syn = _Synthetic(model, tok)
+    syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
     for set_name in sets:
         res = results.setdefault(set_name, {m: ModeResult() for m in modes})

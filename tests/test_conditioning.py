@@ -21,7 +21,8 @@ LONG = " ".join([CHUNK] * 4)
 def test_parse_conditioning():
     assert parse_conditioning(None) == parse_conditioning("none") == 0
     assert parse_conditioning("neutral") == 1 and parse_conditioning("neutral:2") == 2
-    for bad in ("neutral:0", "neutral:9", "shared", "neutral:x"):
+    assert parse_conditioning("neutral:4") == 4 and neutral_text(4).count("\n\n") >= 4
+    for bad in ("neutral:0", "neutral:5", "neutral:9", "shared", "neutral:x"):
         with pytest.raises(ValueError, match="conditioning must be"):
             parse_conditioning(bad)
 
@@ -71,6 +72,25 @@ def test_conditioning_is_part_of_every_key(smol):
     iso = PromptCache(smol.model, smol.tokenizer, encoding="isolated")
     with pytest.raises(ValueError, match="encoding='preamble'"):
         Assembler(iso, conditioning="neutral")
+
+
+def test_a_callers_own_passage_conditions_like_a_neutral_one(smol):
+    """``conditioning_text``: the same causal context, with the caller's passage in place of the
+    neutral one; keyed by a hash of the passage, so two passages never share states."""
+    pc = PromptCache(smol.model, smol.tokenizer, store_dtype=torch.float32)
+    passage = neutral_text(1).strip()
+    own = Assembler(pc, conditioning_text=passage)
+    neutral = Assembler(pc, conditioning="neutral")
+    ids = own.doc_ids(LONG)
+    assert own.conditioning.startswith("passage:") and own.cond_ids == neutral.cond_ids
+    assert own.key(ids) == neutral.key(ids), "the same context tokens give the same states and key"
+    assert torch.equal(own.encode_ids(ids, store=False).values, neutral.encode_ids(ids, store=False).values)
+    other = Assembler(pc, conditioning_text="A different passage about tides and harbours. " * 12)
+    assert other.conditioning != own.conditioning and other.key(ids) != own.key(ids)
+    assert not torch.allclose(other.encode_ids(ids, store=False).values, own.encode_ids(ids, store=False).values,
+                              atol=1e-2)
+    with pytest.raises(ValueError, match="conditioning_text is empty"):
+        Assembler(pc, conditioning_text="  ")
 
 
 def test_learned_positions_are_refused_by_name():
