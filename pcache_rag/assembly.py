@@ -26,7 +26,8 @@ approximation is measured in the README ("Your own system prompt").
 
 **Conditioned encoding** (``conditioning="neutral"`` or ``"neutral:N"``, N up to 4): each
 document is encoded after the preamble *and* fixed neutral passages
-(``pcache_rag/data/neutral*.txt``; or a passage of the caller's, ``conditioning_text``), which are never part of an assembled prompt, then
+(``pcache_rag/data/neutral*.txt``; or a passage of the caller's, ``conditioning_text``),
+which are never part of an assembled prompt, then
 moved back to the canonical position. A document encoded alone after the preamble reads
 as if it were the first and only thing said; in a prompt it never is, and its states
 then pull the question towards it. The conditioning is part of every key, so states
@@ -35,8 +36,13 @@ ALiBi), costs encode time at ingest, and nothing at query time.
 
 Marks are only structure: a document is tokenized as plain text
 (:mod:`pcache_rag.tokens`), and a stray or forged mark can at most make some
-text a module of its own text. A prompt without marks is answered by full
-prefill, with a :class:`PCacheFallbackWarning` that says so when it is long.
+text a module of its own text. A prompt with no marked and no known document is
+answered by full prefill, with a :class:`PCacheFallbackWarning` that says so (once per process).
+
+**Discovery** (:mod:`pcache_rag.discovery`): known documents - ingested chunks, documents
+encoded before through :meth:`Assembler.ensure` or a marked prompt, chunks one of our
+retrievers returned - are found in any message without marks and served from the cache
+exactly as marked ones are. Marks stay an explicit override.
 """
 
 from __future__ import annotations
@@ -68,8 +74,6 @@ DEFAULT_SYSTEM = (
     "If they do not contain the answer, say you do not know."
 )
 
-# A prompt longer than this with no document marks gets a warning (short chats do not).
-_WARN_TOKENS = 256
 
 #: the conditioning of RAG documents (CachedRAG's new indexes, the connectors' content-addressed
 #: documents) where the engine allows it; PML schemas keep the paper's semantics
@@ -293,6 +297,7 @@ class Assembler:
             if not self.pc.store.contains(k):
                 self.encode_ids(ids, k)
             keys.append(k)
+        self.pc.known_texts.add(unmark(t) for t in texts)  # found in later prompts without marks
         return keys
 
     def place(self, kv: ModuleKV, pos: int) -> tuple[ModuleKV, bool]:
@@ -311,10 +316,33 @@ class Assembler:
 
     # ------------------------------------------------------------------ prompts
 
-    def message_segments(self, messages: Sequence[tuple[str, str]]) -> list[Segment]:
+    def discover(self, segments: Sequence[Segment]) -> list[Segment]:
+        """``segments`` with every known document (``pc.known_texts``: ingested, seen before,
+        or just retrieved) found in their plain text and made a document segment, as if it had
+        been marked. Markup and marked documents are left as they are."""
+        known = self.pc.known_texts
+        if not len(known):
+            return list(segments)
+        out: list[Segment] = []
+        for s in segments:
+            spans = known.find(s.text) if s.kind == "text" else []
+            at = 0
+            for a, b in spans:
+                if a > at:
+                    out.append(Segment(s.text[at:a], "text"))
+                out.append(Segment(s.text[a:b], "document"))
+                at = b
+            if not spans:
+                out.append(s)
+            elif at < len(s.text):
+                out.append(Segment(s.text[at:], "text"))
+        return out
+
+    def message_segments(self, messages: Sequence[tuple[str, str]], discover: bool = True) -> list[Segment]:
         """Chat messages ``(role, content)`` through the model's own chat template, ending with
-        the generation prompt. Contents are text (marked documents become documents); only the
-        template's markup may produce control tokens."""
+        the generation prompt. Contents are text (marked documents become documents, and so do
+        known documents found in any message: :meth:`discover`, unless ``discover`` is False);
+        only the template's markup may produce control tokens."""
         chat = self.pc.chat
         segs: list[Segment] = []
         for i, (role, content) in enumerate(messages):
@@ -326,11 +354,13 @@ class Assembler:
             if i == 0 and role == "system":
                 segs.append(Segment("", "cut"))
         segs.append(Segment(chat.generation_prompt, "markup"))
-        return segs
+        return self.discover(segs) if discover else segs
 
-    def text_segments(self, prompt: str) -> list[Segment]:
-        """A raw text prompt (no chat template): text and marked documents."""
-        return [Segment(t, "document" if d else "text") for t, d in split_marked(prompt)]
+    def text_segments(self, prompt: str, discover: bool = True) -> list[Segment]:
+        """A raw text prompt (no chat template): text and marked documents, and the known
+        documents found in the text (:meth:`discover`, unless ``discover`` is False)."""
+        segs = [Segment(t, "document" if d else "text") for t, d in split_marked(prompt)]
+        return self.discover(segs) if discover else segs
 
     def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
         """Token ids and states for ``segments``: the prefix and the documents from the store
@@ -362,6 +392,7 @@ class Assembler:
         for kind, body in groups:
             if kind == "document":
                 pieces.append(("document", self.doc_ids(body[0])))
+                self.pc.known_texts.add(body[0])  # encoded and kept now: found unmarked next time
             elif kind == "cut":
                 pieces.append(("cut", []))
             else:
@@ -384,11 +415,15 @@ class Assembler:
                 f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
                 f"positions, but the model takes {self.pc.max_positions}: retrieve fewer or shorter documents"
             )
-        if n_docs == 0 and total - len(prefix) > _WARN_TOKENS:
+        if n_docs == 0 and total > len(prefix):
+            log.info("a %d-token prompt holds no known or marked document: %d of its tokens are computed",
+                     total, total - len(prefix))
+            # one constant text: the warnings filter shows it once per process, at any prompt length
             warnings.warn(
-                f"a {total}-token prompt carries no marked documents, so only its system prefix can come from "
-                "the cache: mark documents with pcache_rag.assembly.format_documents (LangChain: format_docs or "
-                "create_cached_documents_chain; LlamaIndex: PromptCacheSynthesizer)",
+                "a prompt held no marked document and no known one (ingested, retrieved by a pcache retriever, "
+                "encoded before by Assembler.ensure or a connector's encoder), so only its prefix came from the "
+                "cache: ingest or encode the documents first, or mark them with pcache_rag.assembly.format_documents "
+                "(LangChain: format_docs; LlamaIndex: PromptCacheSynthesizer)",
                 PCacheFallbackWarning, stacklevel=4,
             )
         if not mid and not prefix:  # nothing to reuse: one full prefill

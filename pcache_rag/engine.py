@@ -42,6 +42,7 @@ from .kv import BufferLayer, ModuleKV, Workspace
 from .models import UnsupportedModelError, adapter_for
 from .models.attention import CalibratedSpan, Calibration, calibrated
 from .conditioning import neutral_text, parse_conditioning
+from .discovery import KnownTexts
 from .store import KVStore, default_store, model_fingerprint, unit_key
 from .pml import PMLError, SchemaLayout, chat_format_for, layout_schema, parse_prompt, plan_prompt
 from .pml.layout import PromptPlan, Unit, bos_ids
@@ -197,6 +198,9 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         self.last_report: SchemaReport | None = None
+        #: the document texts whose states this engine keeps or can encode: the Assembler finds
+        #: them in prompts without marks (:mod:`pcache_rag.discovery`)
+        self.known_texts = KnownTexts()
         self._context_memo: tuple[str, ModuleKV] | None = None
         self._cond_memo: tuple[str, ModuleKV] | None = None  # see conditioned_context
         if getattr(self.adapter, "rerotatable", False):

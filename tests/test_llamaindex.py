@@ -179,3 +179,35 @@ def test_missing_index_is_an_error(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="ingest"):
         PromptCacheRetriever(str(tmp_path / "typo"))
+
+
+def test_stock_engines_without_pcache_synthesizers_hit_the_cache(docs_dir, smol):
+    """Issue 21: ``as_chat_engine()`` (condense_plus_context and context), the default
+    synthesizer of ``as_query_engine(llm=...)`` and ``Settings.llm`` put the retrieved nodes'
+    text, unmarked, into their own templates; the engine finds them there."""
+    from llama_index.core import Settings, StorageContext, VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.llms.pcache import MiniLMEmbedding, PromptCacheEncoder, PromptCacheLLM
+
+    embed = MiniLMEmbedding()
+    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=0),
+                                                  PromptCacheEncoder(model=MODEL, cache_dir=STATES), embed])
+    nodes = pipeline.run(documents=_read(docs_dir))
+    index = VectorStoreIndex(nodes, embed_model=embed, storage_context=StorageContext.from_defaults())
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=16)
+    q = "What is the access code for the north gate?"
+    r = index.as_query_engine(llm=llm, similarity_top_k=2).query(q)
+    assert "4417" in str(r) and smol.last_output.cached_tokens > 0
+    for mode in ("condense_plus_context", "context"):
+        chat = index.as_chat_engine(chat_mode=mode, llm=llm, similarity_top_k=2)
+        assert "4417" in str(chat.chat(q)), mode
+        assert smol.last_output.cached_tokens > 0, mode
+    old = Settings._llm  # reading Settings.llm would resolve (and fail to reach) OpenAI
+    try:
+        Settings.llm = llm
+        r = index.as_query_engine(similarity_top_k=2).query("What time does the ferry leave?")
+        assert "07:45" in str(r) and smol.last_output.cached_tokens > 0
+    finally:
+        Settings._llm = old

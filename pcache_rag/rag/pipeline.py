@@ -807,6 +807,8 @@ class CachedRAG:
             )
             for cid, score, doc, meta in hits
         ]
+        # a stock chain may paste these texts into any message, unmarked: the engine finds them there
+        self.pc.known_texts.add(self.chunk_text(h) for h in handles)
         fn = getattr(self.pc.store, "prefetch", None)
         if prefetch and fn is not None and handles:
             fn([h.kv_key for h in handles])
