@@ -161,6 +161,16 @@ def test_chat_template_applied(smol):
     ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     out = llm.invoke([("system", "Be brief."), ("human", "Hi!")])
     assert out.usage_metadata["input_tokens"] == len(ref)
+    # token counting uses the model's own tokenizer (LangChain's default would fetch GPT-2's)
+    from langchain_core.messages import HumanMessage, SystemMessage, trim_messages
+
+    msgs = [SystemMessage("Be brief."), HumanMessage("Hi!")]
+    assert llm.get_num_tokens_from_messages(msgs) == len(ref)
+    assert llm.get_token_ids("Tokyo is the capital of Japan.") == smol.safe.text("Tokyo is the capital of Japan.")
+    assert llm.get_num_tokens("Tokyo is the capital of Japan.") > 0
+    history = msgs + [HumanMessage("Tell me about Paris. " * 20), HumanMessage("And Tokyo?")]
+    kept = trim_messages(history, max_tokens=len(ref) + 20, token_counter=llm, strategy="last", include_system=True)
+    assert kept[0].content == "Be brief." and kept[-1].content == "And Tokyo?" and len(kept) < len(history)
 
 
 def _own_chroma(tmp_path, smol, kind: str = "chroma"):
@@ -245,12 +255,47 @@ def test_tutorial_chain_with_format_docs(tmp_path, smol):
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
     msg = chain.invoke("What is the capital of Japan?")
     assert "Tokyo" in msg.content and msg.usage_metadata["input_token_details"]["cache_read"] > 0
-    # the same chain with the tutorial's own format_docs pastes unmarked text: it still answers,
-    # from a full prefill, and says so once the prompt is long enough to matter
-    long_ctx = lambda d: "\n\n".join(x.page_content for x in d) * 12  # noqa: E731
-    plain = {"context": retriever | long_ctx, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
-    with pytest.warns(PCacheFallbackWarning, match="no marked documents"):
-        assert plain.invoke("What is the capital of Japan?")
+    # the tutorial's own format_docs pastes unmarked text: the documents are known (encoded on
+    # the way into the store), so they are found in the prompt and read from the cache
+    own = lambda d: "\n\n".join(x.page_content for x in d)  # noqa: E731
+    plain = {"context": retriever | own, "question": RunnablePassthrough()} | prompt | llm
+    msg = plain.invoke("What is the capital of Japan?")
+    assert "Tokyo" in msg.content and msg.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert msg.response_metadata["documents"] == 2
+    # text nobody has encoded is answered by full prefill, and a warning says why
+    unknown = ("The lighthouse keeper winds the clock at dusk and logs the passing ships by name. " * 3)
+    with pytest.warns(PCacheFallbackWarning, match="no marked document and no known one"):
+        out = llm.invoke(f"Context:\n{unknown}\n\nQuestion: who winds the clock?")
+    assert out.response_metadata["documents"] == 0
+
+
+def test_stock_stuff_documents_chain_with_documents_in_the_system_message(tmp_path, smol):
+    """LangChain's own ``create_stuff_documents_chain`` puts the documents, unmarked, into the
+    system message: the known ones are found there and read from the cache."""
+    classic = pytest.importorskip("langchain_classic.chains.combine_documents")
+    from langchain_core.prompts import ChatPromptTemplate
+
+    vs = _own_chroma(tmp_path, smol)
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=20)
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "Answer the question using only these documents:\n\n{context}"), ("human", "{input}")])
+    chain = classic.create_stuff_documents_chain(llm, prompt)
+    docs = vs.as_retriever(search_kwargs={"k": 2}).invoke("What is the access code for the north gate?")
+    seen = []
+
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Usage(BaseCallbackHandler):
+        def on_llm_end(self, response, **kw):
+            seen.append(response.generations[0][0].message)
+
+    for _ in range(2):
+        answer = chain.invoke({"context": docs, "input": "What is the access code for the north gate?"},
+                              config={"callbacks": [Usage()]})
+    assert "4417" in answer
+    msg = seen[-1]
+    assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert msg.response_metadata["documents"] == 2
 
 
 def test_build_qa_chain_returns_sources(index, smol):

@@ -104,6 +104,11 @@ class _EngineConfig:
             self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble)
         return self._assembler
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s token ids by the model's own tokenizer, as plain text (what the model reads
+        for it in a prompt; LangChain's default would fetch GPT-2's from a model hub)."""
+        return list(self._asm().pc.safe.text(text))
+
 
 def _content(m: BaseMessage) -> str:
     c = m.content
@@ -194,6 +199,19 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        """Prompt tokens of ``messages`` through the model's own chat template, generation
+        prompt included (what ``usage_metadata["input_tokens"]`` reports for a chat without
+        documents); ``trim_messages(token_counter=llm)`` uses it."""
+        if tools:
+            raise NotImplementedError("ChatPromptCache does not support tool calling, so it cannot count tools")
+        from pcache_rag.pml import bos_ids
+
+        asm = self._asm()
+        segs = asm.message_segments([(_role(m), _content(m)) for m in messages], discover=False)
+        pairs = [(seg.text, seg.kind == "markup") for seg in segs if seg.kind != "cut" and seg.text]
+        return len(bos_ids(asm.pc.tokenizer)) + len(asm.pc.safe.segments(pairs))
 
     def _run(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | CachedOutput]:
         asm = self._asm()
