@@ -746,9 +746,9 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
                 f"{cfg.get('seconds', '?')}. ") + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
              "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run. "
-             "Each question's prompts are prefilled one by one (that is what TTFT times) and then decoded together "
-             "in one batch (`PromptCache.generate_parts_batch`), which can round differently from decoding alone "
-             "(spot checks gave the same answers).", ""]
+             "Each question's prompts are prefilled one by one (that is what TTFT times) and then decoded in "
+             "batches (`PromptCache.generate_parts_batch`): full prefill in a batch of its own, so its answers do "
+             "not depend on which other modes run, and the cached modes together.", ""]
     hashes = summary.get("input_hashes", {})
     if hashes:
         lines += [f"Split `{cfg.get('split', '?')}`. Inputs (a hash of each set's questions, answers and "
