@@ -314,3 +314,15 @@ def test_serialization_round_trip():
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=7, recompute="epic:8")
     back = load(dumpd(llm), valid_namespaces=["langchain_pcache"], allowed_objects=[ChatPromptCache])
     assert isinstance(back, ChatPromptCache) and back.max_tokens == 7 and back.recompute == "epic:8"
+
+
+def test_unsupported_constructor_arguments_are_refused_by_name():
+    from pydantic import ValidationError
+
+    from langchain_pcache import PromptCacheTextLLM
+
+    for cls in (ChatPromptCache, PromptCacheTextLLM):
+        with pytest.raises(ValidationError, match="top_k") as e:
+            cls(model=MODEL, cache_dir=STATES, device="cuda", top_k=5, num_ctx=4096)
+        assert "device" in str(e.value) and "num_ctx" in str(e.value)
+    assert ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=3).max_tokens == 3

@@ -211,3 +211,15 @@ def test_stock_engines_without_pcache_synthesizers_hit_the_cache(docs_dir, smol)
         assert "07:45" in str(r) and smol.last_output.cached_tokens > 0
     finally:
         Settings._llm = old
+
+
+def test_unsupported_constructor_arguments_are_refused_by_name():
+    from pydantic import ValidationError
+
+    from llama_index.llms.pcache import PromptCacheLLM
+
+    with pytest.raises(ValidationError, match="context_window") as e:
+        PromptCacheLLM(model=MODEL, cache_dir=STATES, context_window=2048, generate_kwargs={"top_k": 5})
+    assert "generate_kwargs" in str(e.value)
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=7)
+    assert PromptCacheLLM.from_dict(llm.to_dict()).max_new_tokens == 7

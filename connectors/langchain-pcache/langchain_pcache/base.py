@@ -153,7 +153,9 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     own system message may differ (only its prefix is encoded then).
     """
 
-    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+    # a constructor argument the engine does not take (device=, top_k=, num_ctx=) is refused by
+    # name, as per-call ones are, instead of being accepted and dropped
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=(), extra="forbid")
 
     model: str = Field(default=DEFAULT_MODEL, alias="model_name")
     index_dir: str | None = None
@@ -169,6 +171,11 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     #: to time out or retry, so setting either warns that it has no effect
     timeout: float | None = None
     max_retries: int | None = None
+    #: accepted like hosted models' key, which OpenAI-style code passes; there is nothing to
+    #: authenticate against, so setting it warns that it has no effect
+    api_key: str | None = None
+    #: ``invoke`` streams underneath (LangChain's ``streaming`` convention; callbacks see tokens)
+    streaming: bool = False
     _assembler: Assembler | None = PrivateAttr(default=None)
 
     def model_post_init(self, __context: Any) -> None:
@@ -176,9 +183,10 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
             Recompute.parse(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        for name in ("timeout", "max_retries"):
+        for name in ("timeout", "max_retries", "api_key"):
             if getattr(self, name) is not None:
-                warnings.warn(f"ChatPromptCache runs the model in this process: {name}={getattr(self, name)!r} "
+                shown = "..." if name == "api_key" else repr(getattr(self, name))
+                warnings.warn(f"ChatPromptCache runs the model in this process: {name}={shown} "
                               "has no effect", stacklevel=3)
 
     @property
@@ -260,6 +268,8 @@ def _usage(out: CachedOutput) -> dict:
 class PromptCacheTextLLM(_EngineConfig, LLM):
     """A text-completion ``LLM``: the prompt is read as it is (no chat template); marked documents
     in it come from cached states. For chat models and RAG prompts prefer :class:`ChatPromptCache`."""
+
+    model_config = ConfigDict(extra="forbid")  # unsupported constructor arguments are refused by name
 
     model: str = DEFAULT_MODEL
     index_dir: str | None = None

@@ -44,7 +44,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.readers.base import BaseReader
 from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode,
                                      TransformComponent)
-from pydantic import Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
                                  sampling, shared_engine)
@@ -74,6 +74,10 @@ class PromptCacheLLM(CustomLLM):
     ``stop`` are honoured, per instance or per call. ``complete(prompt)`` reads the prompt as
     one user turn of the chat template (``formatted=True``: as raw text).
     """
+
+    # a constructor argument the engine does not take (context_window=, generate_kwargs=) is
+    # refused by name, as per-call ones are, instead of being accepted and dropped
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     model: str = DEFAULT_MODEL
     index_dir: str | None = None
