@@ -4,11 +4,14 @@ every number in them is finite and non-negative, with times, throughputs and spe
 import json
 import math
 
+import pytest
+
 from pcache_rag.cli import main
 
 FIGURES = ("length", "fraction", "size", "encoding", "ingest", "scaffold", "memory")
 
 
+@pytest.mark.slow  # every figure of the benchmark at quick sizes: minutes on a 2-core CPU; `make test-slow`
 def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     out = tmp_path / "docs"
     assert main(["bench", "all", "--quick", "--model", str(smol_dir), "--out", str(out), "--json"]) == 0
