@@ -131,6 +131,31 @@ def test_2_the_reader_process_has_a_memory_limit_and_the_next_file_is_read(tmp_p
         assert "Oslo is in Norway." in ex.read(ok).text, "a fresh reader takes the next file"
 
 
+def test_2_the_reader_works_in_a_process_with_over_1024_open_files(tmp_path):
+    """select() cannot watch a descriptor past 1,023; a long-running process (the server, a
+    test session) gets such descriptors, and every PDF, HTML and Word file was skipped then."""
+    import resource
+
+    from pcache_rag.rag.extract import Extractor
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(soft, hard) < 1200 and hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows only {hard} open files")
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1200, hard) if hard != resource.RLIM_INFINITY else 1200, hard))
+    ok = tmp_path / "ok.html"
+    ok.write_text("<html><title>T</title><body><p>Oslo is in Norway.</p></body></html>")
+    held = [open(os.devnull) for _ in range(1100)]  # noqa: SIM115 - descriptors held open on purpose
+    try:
+        assert max(f.fileno() for f in held) > 1024
+        with Extractor() as ex:
+            assert "Oslo is in Norway." in ex.read(ok).text
+    finally:
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_2_extracted_text_is_capped_with_a_named_reason(tmp_path, monkeypatch):
     from pcache_rag.rag import chunking
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -64,7 +64,11 @@ class Extractor:
             try:
                 proc.stdin.write(json.dumps({"path": str(path)}) + "\n")
                 proc.stdin.flush()
-                ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+                # selectors (epoll here), not select.select: a process with over 1,024 open files
+                # (a long-running server, a test session) gets descriptors select() cannot watch
+                with selectors.DefaultSelector() as sel:
+                    sel.register(proc.stdout, selectors.EVENT_READ)
+                    ready = sel.select(self.timeout_s)
                 line = proc.stdout.readline() if ready else None
             except (BrokenPipeError, OSError):
                 line = ""
