@@ -597,7 +597,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
     syn = _Synthetic(model, tok)
-    syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
+    if any(encoding_of(m) == "cond:corpus" for m in modes):  # tokenizing the filler again costs seconds
+        syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
     for set_name in sets:
         res = results.setdefault(set_name, {m: ModeResult() for m in modes})
