@@ -55,7 +55,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine import ContextOverflowError, GenerationOutput, PromptCache, _gen_kwargs
+from .engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
 from .kv import ModuleKV
 from .pml import bos_ids
 from .conditioning import NEUTRAL_PASSAGES, neutral_text, parse_conditioning, passage_spec  # noqa: F401 - re-exported
@@ -235,7 +235,7 @@ class Assembler:
         """A document's token ids: its text without surrounding whitespace, then one blank line
         (:data:`DOC_SEPARATOR`), as plain text. Prompts are normalized the same way, so a
         document's key never depends on the whitespace a template puts after it."""
-        return self.pc.safe.text(unmark(text).strip() + DOC_SEPARATOR)
+        return document_ids(self.pc, text)
 
     def conditioned(self, ids: Sequence[int]) -> bool:
         """Whether ``ids`` are encoded after the conditioning passages: with conditioning set,
@@ -451,29 +451,28 @@ class Assembler:
             pos += len(ids)
         return _Plan(parts, tail, total, encoded, n_docs)
 
-    def _run(self, segments, recompute, gen: dict):
+    def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         t0 = time.perf_counter()
-        plan = self.plan(segments, int(gen.get("max_new_tokens", 64)))
+        plan = self.plan(segments, gen.max_new_tokens)
         prep = time.perf_counter() - t0
-        items = self.pc._generation(  # noqa: SLF001 - the engine's own generation loop
-            lambda r: self.pc._prefill_new(plan.parts, plan.new_ids, "prefix", r, self.pc._policy(recompute)),
-            **gen,
-        )
-        for item in items:
-            if isinstance(item, GenerationOutput):
-                item.ttft_s += prep  # encoding a missing document is part of this answer's wait
-                item.total_s += prep
-                cached = max(item.cached_tokens - plan.encoded, 0)
-                yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
-                                   plan.documents)
-            else:
-                yield item
+        stream = self.pc.stream_parts(plan.parts, plan.new_ids, "prefix", recompute, params=gen)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+        item = stream.output
+        assert item is not None
+        item.ttft_s += prep  # encoding a missing document is part of this answer's wait
+        item.total_s += prep
+        cached = max(item.cached_tokens - plan.encoded, 0)
+        yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
+                           plan.documents)
 
     def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
         ``gen``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``."""
         out = None
-        for item in self._run(segments, recompute, _gen_kwargs(gen)):
+        for item in self._run(segments, recompute, SamplingParams.of(**gen)):
             if isinstance(item, CachedOutput):
                 out = item
         assert out is not None
@@ -481,7 +480,7 @@ class Assembler:
 
     def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
         """Text deltas as they are decoded, then the :class:`CachedOutput`."""
-        return self._run(segments, recompute, _gen_kwargs(gen))
+        return self._run(segments, recompute, SamplingParams.of(**gen))
 
 
 def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -539,6 +538,13 @@ def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM) -> Assem
         if a is None or a.pc is not pc:
             a = _ASSEMBLERS[(id(pc), system_prompt)] = Assembler(pc, system_prompt)
         return a
+
+
+def document_ids(pc: PromptCache, text: str) -> list[int]:
+    """A document's token ids as every prompt path reads it (the RAG pipeline, the connectors,
+    the quality eval): its text without marks or surrounding whitespace, then one blank line
+    (:data:`DOC_SEPARATOR`), as plain text."""
+    return pc.safe.text(unmark(text).strip() + DOC_SEPARATOR)
 
 
 def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:

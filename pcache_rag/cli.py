@@ -26,10 +26,11 @@ def cmd_run(a) -> int:
     out = None
     prompt = _read(a.prompt)
     if a.stream:
-        for delta in pc.stream(prompt, max_new_tokens=a.max_new_tokens):
+        stream = pc.stream(prompt, max_new_tokens=a.max_new_tokens)
+        for delta in stream:
             print(delta, end="", flush=True)
         print()
-        out = pc.last_output
+        out = stream.output
     else:
         out = pc.generate(prompt, max_new_tokens=a.max_new_tokens)
         print(out.text)
@@ -41,33 +42,33 @@ def cmd_run(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import bench_ttft
+    from .measure.bench import bench_ttft
     from .engine import PromptCache
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
     if a.what == "store":
-        from .bench import bench_store
+        from .measure.bench import bench_store
 
         row = bench_store(a.model, tokens=a.tokens, repeats=a.repeats, directory=a.dir, log=log, kv_url=a.kv_url)
         if a.json:
             print(json.dumps({"benchmark": "store", **row}, indent=2))
         return 0
     if a.what == "quality":
-        from .bench import bench_quality
+        from .measure.bench import bench_quality
 
         row = bench_quality(a.model, facts_in_distractors=not a.plain_distractors, log=log)
         if a.json:
             print(json.dumps({"benchmark": "quality", **row}, indent=2))
         return 0
     if a.what == "all":
-        from .benchall import run_all
+        from .measure.bench_all import run_all
 
         raw = run_all(a.model, quick=a.quick, device=a.device, out=a.out, kv_url=a.kv_url, log=log)
         if a.json:
             print(json.dumps(raw, indent=1, default=str))
         return 0
     if a.what == "rag":
-        from .bench import bench_rag
+        from .measure.bench import bench_rag
 
         row = bench_rag(a.model, a.dir, k=a.k, repeats=a.repeats, log=log)
         if a.json:
@@ -268,7 +269,7 @@ def cmd_serve(a) -> int:
     n = rag.index.count()
     what = "a new, empty index: add documents on the page" if new or n == 0 else f"{n} chunks indexed"
     print(f"pcache-rag: {what} ({shown(a.index)})\n  web app: http://{a.host}:{a.port}/\n"
-          f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config._name_or_path)).name!r})",
+          f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config.name_or_path)).name!r})",
           file=sys.stderr)
     serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
           max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info", allowed_hosts=hosts,
@@ -278,7 +279,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_eval(a) -> int:
-    from .evalq import DEFAULT_MODES, SETS, retrieval_recall, run_eval
+    from .measure.quality import DEFAULT_MODES, SETS, retrieval_recall, run_eval
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
     if a.what == "retrieval":

@@ -12,25 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .bench import stdlib_docs
-
-MODULES = ("json", "csv", "textwrap", "heapq", "bisect", "shutil", "pathlib", "zipfile")
-QUESTIONS = [
-    "How do I read rows from a CSV file?",
-    "What does textwrap.dedent do?",
-    "Which function keeps a list sorted when inserting an item?",
-]
-
-
-def build_corpus(directory: Path, modules=MODULES) -> Path:
-    """Write one ``<module>.txt`` per standard-library module (skips files already written)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in stdlib_docs(modules=modules):
-        f = directory / f"{name}.txt"
-        if not f.exists() or f.read_text(encoding="utf-8") != text:
-            f.write_text(text, encoding="utf-8")
-    return directory
-
+from .samples import QUESTIONS, build_corpus
 
 def run_demo(a) -> int:
     from .default_model import cache_home

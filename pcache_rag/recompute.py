@@ -63,7 +63,7 @@ class Recompute:
     rows: tuple[int, ...] = ()  # rows: the cache rows to recompute (see :meth:`explicit`)
 
     @classmethod
-    def explicit(cls, rows) -> "Recompute":
+    def explicit(cls, rows) -> Recompute:
         """Recompute exactly these cache rows (indices into the assembled context, in cache
         order; the first unit's rows are refused because its states are already exact)."""
         rs = tuple(sorted({int(r) for r in rows}))
@@ -72,7 +72,7 @@ class Recompute:
         return cls("rows", rows=rs)
 
     @classmethod
-    def parse(cls, spec: "str | Recompute | None") -> "Recompute":
+    def parse(cls, spec: str | Recompute | None) -> Recompute:
         if spec is None:
             return cls()
         if isinstance(spec, Recompute):
@@ -204,3 +204,63 @@ def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int)
     finally:
         h.remove()
     return cache.layers[layer].keys[0]  # (H, C, D)
+
+
+def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), new_pos=()) -> list[int]:
+    """Cache rows to recompute under ``policy`` for the assembled ``kvs`` (only when several
+    units are assembled); ``focus`` ranks them by the attention of ``new_ids`` at ``new_pos``
+    (the question), computed over ``workspace``."""
+    lengths = [kv.length for kv in kvs]
+    if policy.kind == "rows":  # checked even for one unit: explicit rows are never dropped in silence
+        C = sum(lengths)
+        first = lengths[0] if lengths else 0
+        bad = [r for r in policy.rows if not first <= r < C]
+        if bad:
+            raise ValueError(f"recompute rows {bad[:5]} are outside the rows after the first unit "
+                             f"({first}..{C - 1}) of this prompt")
+        return list(policy.rows)
+    if policy.kind == "none" or len(kvs) < 2:
+        return []
+    if policy.kind == "all":
+        return list(range(sum(lengths)))
+    if policy.kind == "epic":
+        return epic_rows(lengths, policy.k)
+    if policy.kind == "focus":
+        return blend_rows(focus_scores(question_attention(adapter, workspace, kvs, list(new_ids), list(new_pos))),
+                          lengths, policy.ratio)
+    # blend: score every context token by its key deviation at the check layer
+    dev = adapter.device
+    ids = torch.cat([kv.token_ids for kv in kvs]).to(dev)
+    pos = torch.cat([kv.position_ids for kv in kvs]).to(dev)
+    fresh = first_layers_keys(adapter, ids, pos, policy.check_layer)  # (H, C, D)
+    cached = torch.cat([kv.layer_keys(policy.check_layer, dev, fresh.dtype) for kv in kvs], dim=1)
+    scores = (fresh - cached).pow(2).sum(dim=(0, 2))  # (C,)
+    return blend_rows(scores, lengths, policy.ratio)
+
+
+def question_attention(adapter, workspace, kvs: list, new_ids: list[int], new_pos: list[int]) -> torch.Tensor:
+    """Attention (C,) that ``new_ids`` give each assembled row, summed over layers and heads:
+    one forward of the new tokens over the cached states, whose rows are then dropped."""
+    from .models import UnsupportedModelError, attention
+
+    if adapter.family == "alibi":
+        raise UnsupportedModelError("recompute 'focus' reads attention through pcache_sdpa; ALiBi models "
+                                    "do not use it: choose 'epic' or 'blend'")
+    if not new_ids:
+        raise ValueError("recompute 'focus' ranks context by the new tokens' attention; this prompt has none")
+    dev = adapter.device
+    C, _ = workspace.assemble(kvs, extra=len(new_ids))
+    U = len(new_ids)
+    allowed = torch.ones(U, C + U, dtype=torch.bool)
+    allowed[:, C:] = torch.ones(U, U, dtype=torch.bool).tril_()
+    try:
+        with attention.AttentionProbe(C) as probe:
+            adapter.forward(torch.tensor(new_ids, device=dev), torch.tensor(new_pos, device=dev),
+                            workspace.cache(), allowed.to(dev), None)
+    finally:
+        for layer in workspace.layers:
+            layer.set_length(C)
+    if probe.calls == 0 or probe.scores is None:
+        raise UnsupportedModelError(f"recompute 'focus': {type(adapter.model).__name__} does not run its "
+                                    "attention through pcache_sdpa; choose 'epic' or 'blend'")
+    return probe.scores

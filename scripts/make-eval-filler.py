@@ -25,10 +25,10 @@ KEEP = 40_000
 
 def main() -> int:
     sys.path.insert(0, str(OUT.parent.parent.parent))
-    from pcache_rag.bench import _DOC_MODULES, stdlib_docs
+    from pcache_rag.samples import DOC_MODULES, stdlib_docs
 
     pages = {}
-    for name, text in stdlib_docs(modules=_DOC_MODULES):
+    for name, text in stdlib_docs(modules=DOC_MODULES):
         text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
         text = re.sub(r"^FILE\n    .*$", "FILE\n    (path)", text, flags=re.M)
         assert "0x7f" not in text, name

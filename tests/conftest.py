@@ -27,4 +27,6 @@ def smol_tok(smol_dir):
 def smol(smol_dir):
     from pcache_rag import PromptCache
 
-    return PromptCache.from_pretrained(str(smol_dir))
+    from helpers import watch
+
+    return watch(PromptCache.from_pretrained(str(smol_dir)))

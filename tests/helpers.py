@@ -256,3 +256,21 @@ class RedisServer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+
+_LAST: dict[int, list] = {}
+
+
+def watch(pc):
+    """Record ``pc``'s finished generations, for :func:`last_output` (returns ``pc``)."""
+    got = _LAST.setdefault(id(pc), [])
+    pc.add_listener(lambda out: got.append(out))
+    return pc
+
+
+def last_output(pc):
+    """The output of the latest generation ``pc`` finished (after :func:`watch`), however deep in a
+    framework's chain it ran."""
+    got = _LAST.get(id(pc))
+    assert got, "no generation finished on this engine (or it was never watched)"
+    return got[-1]

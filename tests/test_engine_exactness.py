@@ -84,7 +84,7 @@ def test_repeated_prompts_are_identical_and_states_untouched(tok):
     model = tiny_model("llama", len(tok))
     pc = PromptCache(model, tok, store_dtype=None)
     pc.add_schema(SCHEMA)
-    st = pc.store.get(pc._schemas["s"].keys["a"])
+    st = pc.store.get(pc.unit_key("s", "a"))
     before = st.keys.clone()
     first = pc.generate(CASES["gap"], max_new_tokens=6)
     pc.prefill(CASES["param"])  # a different prompt in between changes the buffers

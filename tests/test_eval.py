@@ -5,7 +5,7 @@ import json
 import math
 
 from pcache_rag.cli import main
-from pcache_rag.evalq import DEFAULT_MODES, SETS, build_sets, contains, inputs_hash, mcnemar_p, token_f1, wilson
+from pcache_rag.measure.quality import DEFAULT_MODES, SETS, build_sets, contains, inputs_hash, mcnemar_p, token_f1, wilson
 
 
 def test_metrics():
@@ -36,7 +36,7 @@ def test_inputs_are_identical_across_processes_and_the_splits_are_disjoint(smol_
 
     here = {name: inputs_hash(qs) for name, qs in build_sets(smol_tok, 3, 64, seed=5).items()}
     code = ("import json, logging, sys; from transformers import AutoTokenizer; "
-            "from pcache_rag.evalq import build_sets, inputs_hash; logging.getLogger('x').addHandler(logging.StreamHandler()); "
+            "from pcache_rag.measure.quality import build_sets, inputs_hash; logging.getLogger('x').addHandler(logging.StreamHandler()); "
             f"tok = AutoTokenizer.from_pretrained({str(smol_dir)!r}); "
             "print(json.dumps({n: inputs_hash(q) for n, q in build_sets(tok, 3, 64, seed=5).items()}))")
     there = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
@@ -87,7 +87,7 @@ def test_checkpoint_resumes_and_refuses_other_settings(smol_dir, tmp_path):
     and the result equals an uninterrupted run's. Other settings are refused by name."""
     import pytest
 
-    from pcache_rag.evalq import run_eval
+    from pcache_rag.measure.quality import run_eval
 
     ck = tmp_path / "ck.json"
     kw = dict(model_path=smol_dir, n=2, doc_tokens=48, max_new_tokens=4, modes=("full", "preamble", "epic:2"),
@@ -116,7 +116,7 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
     import pytest
 
     from helpers import tiny_model
-    from pcache_rag.evalq import ORACLE_MODES, _Synthetic, run_eval
+    from pcache_rag.measure.quality import ORACLE_MODES, _Synthetic, run_eval
 
     syn = _Synthetic(tiny_model("llama", len(smol_tok), seed=0), smol_tok)
     sets = build_sets(smol_tok, 3, 80, seed=2)
@@ -142,7 +142,7 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
 
 
 def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
-    from pcache_rag.evalq import ORACLE_MODES, run_eval, write_report
+    from pcache_rag.measure.quality import ORACLE_MODES, run_eval, write_report
 
     modes = ("full", "preamble") + ORACLE_MODES
     s = run_eval(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=modes, sets=("cross",),

@@ -40,9 +40,10 @@ def test_sampling_is_repeatable_with_a_seed(pc):
 
 def test_stream_concatenates_to_generate(pc):
     full = pc.generate(PROMPT, max_new_tokens=10)
-    deltas = list(pc.stream(PROMPT, max_new_tokens=10))
+    stream = pc.stream(PROMPT, max_new_tokens=10)
+    deltas = list(stream)
     assert "".join(deltas) == full.text
-    assert pc.last_output.token_ids == full.token_ids
+    assert stream.output.token_ids == full.token_ids
 
 
 def test_stop_string_cuts_text_and_stream(pc):

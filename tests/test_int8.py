@@ -67,7 +67,7 @@ def test_int8_cached_logits_stay_close_to_fp32(family, smol_tok):
         pc.add_schema(SCHEMA)
         logits[dtype] = pc.prefill(PROMPT).logits
         if dtype == "int8":
-            kv = pc.store.get(pc._schemas["s"].keys["a"])
+            kv = pc.store.get(pc.unit_key("s", "a"))
             assert kv.quantized
             bpt = kv.nbytes() / kv.length
     err = (logits["int8"] - logits["float32"]).abs().max().item()

@@ -17,6 +17,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
 from langchain_pcache import ChatPromptCache, PromptCacheRetriever  # noqa: E402
 from pcache_rag.assembly import PCacheFallbackWarning, register_engine  # noqa: E402
+from helpers import last_output
 
 pytestmark = pytest.mark.real_model
 
@@ -243,7 +244,6 @@ def test_create_retrieval_chain_on_users_store(tmp_path, smol, kind):
 
 def test_tutorial_chain_with_format_docs(tmp_path, smol):
     """The RAG tutorial's LCEL chain, with pcache's format_docs in place of its own."""
-    from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
 
@@ -305,7 +305,7 @@ def test_build_qa_chain_returns_sources(index, smol):
     out = chain.invoke({"input": "What is the south gate code?"})
     assert "9023" in out["answer"] and out["context"] and "module_id" in out["context"][0].metadata
     # the retriever's documents are the ingested chunks: their states were encoded at ingest
-    assert smol.last_output.cached_tokens > 0
+    assert last_output(smol).cached_tokens > 0
 
 
 def test_serialization_round_trip():

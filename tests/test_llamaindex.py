@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from helpers import write_pdf
+from helpers import write_pdf, last_output
 from pcache_rag.assembly import register_engine
 
 pytestmark = pytest.mark.real_model
@@ -60,7 +60,7 @@ def test_readers_keep_source_metadata(docs_dir):
 
 
 def _tail(smol, q):
-    from pcache_rag.rag.pipeline import question_ids
+    from pcache_rag.rag.prompt import question_ids
 
     return len(question_ids(smol, q))
 
@@ -116,14 +116,14 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
     streaming = index.as_query_engine(llm=llm, response_synthesizer=PromptCacheSynthesizer(llm, streaming=True),
                                       similarity_top_k=2)
     s = streaming.query(q)
-    assert "4417" in "".join(s.response_gen) and smol.last_output.cached_tokens > 0
+    assert "4417" in "".join(s.response_gen) and last_output(smol).cached_tokens > 0
 
     chat = PromptCacheChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=2), llm=llm)
     first = chat.chat("What is the capital of Japan?")
     assert "Tokyo" in str(first)
-    assert smol.last_output.cached_tokens > 0
+    assert last_output(smol).cached_tokens > 0
     chat.chat("And what is sushi?")
-    assert smol.last_output.cached_tokens > 0  # the history goes after the cached documents
+    assert last_output(smol).cached_tokens > 0  # the history goes after the cached documents
 
 
 def test_llm_chat_template_params_and_async(smol):
@@ -199,16 +199,16 @@ def test_stock_engines_without_pcache_synthesizers_hit_the_cache(docs_dir, smol)
     llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=16)
     q = "What is the access code for the north gate?"
     r = index.as_query_engine(llm=llm, similarity_top_k=2).query(q)
-    assert "4417" in str(r) and smol.last_output.cached_tokens > 0
+    assert "4417" in str(r) and last_output(smol).cached_tokens > 0
     for mode in ("condense_plus_context", "context"):
         chat = index.as_chat_engine(chat_mode=mode, llm=llm, similarity_top_k=2)
         assert "4417" in str(chat.chat(q)), mode
-        assert smol.last_output.cached_tokens > 0, mode
+        assert last_output(smol).cached_tokens > 0, mode
     old = Settings._llm  # reading Settings.llm would resolve (and fail to reach) OpenAI
     try:
         Settings.llm = llm
         r = index.as_query_engine(similarity_top_k=2).query("What time does the ferry leave?")
-        assert "07:45" in str(r) and smol.last_output.cached_tokens > 0
+        assert "07:45" in str(r) and last_output(smol).cached_tokens > 0
     finally:
         Settings._llm = old
 

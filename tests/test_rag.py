@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import tiny_model, last_output
 from pcache_rag import PromptCache
 from pcache_rag.rag import CachedRAG
 
@@ -133,7 +133,7 @@ def test_llamaindex_query_engine_over_an_index(rag):
 
     s = build_query_engine(str(rag.index_dir), similarity_top_k=2, streaming=True, max_new_tokens=8).query(q)
     deltas = list(s.response_gen)
-    assert len(deltas) >= 2 and "".join(deltas) == rag.pc.last_output.text
+    assert len(deltas) >= 2 and "".join(deltas) == last_output(rag.pc).text
 
     a = asyncio.run(build_query_engine(str(rag.index_dir), max_new_tokens=8).aquery(q))
     assert str(a).strip() and a.metadata["pcache"]["cached_tokens"] > 0
@@ -162,7 +162,7 @@ def test_langchain_text_llm_streams_with_callbacks(smol):
     prompt = "Notes:\n" + format_documents(["Sushi is a Japanese dish."]) + "Q: What is sushi?\nA:"
     llm.invoke(prompt)
     llm.invoke(prompt)
-    assert smol.last_output.cached_tokens > 0
+    assert last_output(smol).cached_tokens > 0
 
 
 def test_chroma_server_via_url(smol, tmp_path, corpus):

@@ -2,6 +2,7 @@
 
 import re
 from pathlib import Path
+from helpers import last_output
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -39,7 +40,7 @@ def test_llamaindex_example_runs(tmp_path, monkeypatch, smol, capsys):
     exec(compile(_framework_block("**LlamaIndex** (`pip"), "README.md:llamaindex", "exec"), {})
     out = capsys.readouterr().out
     assert "4417" in out and "'cached_tokens'" in out
-    assert smol.last_output.cached_tokens > 0
+    assert last_output(smol).cached_tokens > 0
 
 
 def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
@@ -47,4 +48,4 @@ def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
     exec(compile(_framework_block("**LangChain** (`pip"), "README.md:langchain", "exec"), {})
     out = capsys.readouterr().out
     assert "4417" in out and "gates.md" in out
-    assert smol.last_output.cached_tokens > 0
+    assert last_output(smol).cached_tokens > 0

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from helpers import contiguous_parts, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
-from pcache_rag.recompute import Recompute, epic_rows, focus_scores, recompute_mask
+from pcache_rag.recompute import Recompute, epic_rows, focus_scores, question_attention, recompute_mask, select_rows
 
 FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"]
 TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
@@ -115,7 +115,7 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
         with pytest.raises(UnsupportedModelError, match="focus"):
             pc.prefill_parts(parts, new, recompute=spec)
         return
-    rows = pc._select(kvs, policy, new, new_pos)
+    rows = select_rows(pc.adapter, pc.workspace, kvs, policy, new, new_pos)
     if policy.kind == "epic":
         assert rows == epic_rows([kv.length for _, kv in parts], policy.k)
     if policy.kind == "rows":
@@ -203,7 +203,7 @@ def test_focus_ranks_by_the_questions_attention(smol_tok):
     parts, new = _parts(pc)
     kvs = [kv for _, kv in parts]
     C = sum(kv.length for kv in kvs)
-    got = pc._question_attention(kvs, new, list(range(C, C + len(new))))
+    got = question_attention(pc.adapter, pc.workspace, kvs, new, list(range(C, C + len(new))))
     # reference: eager attention weights over a past of the same cached rows
     K = torch.cat([kv.keys for kv in kvs], dim=2)
     V = torch.cat([kv.values for kv in kvs], dim=2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RedisServer, tiny_model
+from helpers import RedisServer, free_port, tiny_model
 
 redis = pytest.importorskip("redis")
 
@@ -69,7 +69,7 @@ def _machine(smol, root: Path, url: str, from_index: Path | None = None):
 
 def _logits(rag, q: str) -> torch.Tensor:
     handles = rag.retrieve(q)
-    res = rag.pc.prefill_parts(rag._parts(handles), rag.question_ids(q), preamble="preamble")
+    res = rag.pc.prefill_parts(rag.parts(handles), rag.question_ids(q), preamble="preamble")
     return res.logits
 
 

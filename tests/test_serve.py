@@ -257,7 +257,7 @@ def test_client_disconnecting_mid_stream_frees_the_engine(served):
     before = service.counts["cancelled"]
     body = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[3]}], "stream": True,
             "max_tokens": 200, "temperature": 0}
-    with rag.pc._lock:  # the engine is busy: the answer cannot finish before the client hangs up
+    with rag.pc.exclusive():  # the engine is busy: the answer cannot finish before the client hangs up
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if '"role": "assistant"' in line:
@@ -321,7 +321,7 @@ def test_full_queue_gets_503_with_retry_after(served):
     srv = Server(create_app(service))
     try:
         with ThreadPoolExecutor(6) as ex:
-            with rag.pc._lock:  # the engine is busy, so the worker holds the first question
+            with rag.pc.exclusive():  # the engine is busy, so the worker holds the first question
                 first = ex.submit(chat, srv.url, QUESTIONS[0])
                 deadline = time.time() + 30
                 while service.running is None:

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -199,7 +198,7 @@ def test_engine_reencodes_a_damaged_entry(tmp_path, smol_tok):
     pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, cache_dir=tmp_path / "kv")
     pc.add_schema(SCHEMA)
     before = pc.prefill(PROMPT).logits
-    key = pc._schemas["p"].keys["a"]
+    key = pc.unit_key("p", "a")
     host, disk = pc.store.tiers
     host.remove(key)
     f = _entry_file(disk, key)
@@ -215,7 +214,7 @@ def test_fp16_storage_bytes_per_token(smol_tok):
     model = tiny_model("llama", len(smol_tok))
     pc = PromptCache(model, smol_tok)
     pc.add_schema(SCHEMA)
-    kv = pc.store.get(pc._schemas["p"].keys["b"])
+    kv = pc.store.get(pc.unit_key("p", "b"))
     assert kv.keys.dtype == torch.float16
     shape = pc.adapter.kv_shape
     assert kv.nbytes() / kv.length == shape.bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
@@ -234,7 +233,7 @@ def test_prefetch_brings_union_members_along(tmp_path, smol_tok):
     store = TieredStore([host, DiskTier(tmp_path / "kv")])
     pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, store=store)
     pc.add_schema(schema)
-    keys = pc._schemas["u"].keys
+    keys = pc.unit_keys("u")
     for k in keys.values():
         host.remove(k)
     prompt = '<prompt schema="u"><x/><user>q</user></prompt>'

@@ -63,7 +63,7 @@ def page(tmp_path, smol):
 
 def test_page_ingests_asks_streams_and_compares(page):
     pg, tmp_path, errors = page
-    from pcache_rag.bench import stdlib_docs
+    from pcache_rag.samples import stdlib_docs
 
     docs = []
     # the facts, and real documentation around them: about 1,100 prompt tokens with k=4

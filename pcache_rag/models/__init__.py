@@ -1,5 +1,6 @@
-"""One small adapter per positional-encoding family (rope, learned, alibi)."""
+"""One small adapter per positional-encoding family (rope, learned, alibi); ``auto`` picks one."""
 
-from .base import Adapter, KVShape, UnsupportedModelError, adapter_for
+from .auto import adapter_for
+from .base import Adapter, KVShape, UnsupportedModelError
 
 __all__ = ["Adapter", "KVShape", "UnsupportedModelError", "adapter_for"]

@@ -60,11 +60,11 @@ class Adapter:
 
     def _kv_shape(self) -> KVShape:
         c = self.config
-        n_heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None) or getattr(c, "n_heads")
+        n_heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None) or c.n_heads
         n_kv = getattr(c, "num_key_value_heads", None) or n_heads
-        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or getattr(c, "d_model")
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or c.d_model
         head_dim = getattr(c, "head_dim", None) or hidden // n_heads
-        n_layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or getattr(c, "n_layers")
+        n_layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or c.n_layers
         return KVShape(n_layers, n_kv, head_dim, head_dim)
 
     @property
@@ -129,39 +129,6 @@ class Adapter:
             logits_to_keep=1,
         )
         return out.logits[:, -1]
-
-
-def _has_sliding_window(config) -> bool:
-    types = getattr(config, "layer_types", None)
-    if types and any("sliding" in str(t) for t in types):
-        return True
-    sw = getattr(config, "sliding_window", None)
-    if sw and getattr(config, "use_sliding_window", True):
-        return True
-    return False
-
-
-def adapter_for(model) -> Adapter:
-    """Pick the adapter for ``model`` by its positional encoding, or refuse clearly."""
-    from .alibi import AlibiAdapter
-    from .learned import LearnedAdapter
-    from .rope import RopeAdapter
-
-    c = model.config
-    mt = getattr(c, "model_type", "?")
-    if _has_sliding_window(c):
-        raise UnsupportedModelError(
-            f"{mt}: sliding-window attention layers are not supported (cached modules would be attended "
-            "beyond the window). If every prompt fits in the window, load the model with "
-            "sliding_window=None / use_sliding_window=False."
-        )
-    for cls in (RopeAdapter, LearnedAdapter, AlibiAdapter):
-        if cls.matches(model):
-            return cls(model)
-    raise UnsupportedModelError(
-        f"model type {mt!r} is not supported. pcache-rag supports rotary position models (Llama, Qwen2, "
-        "Mistral, ...), learned absolute positions (GPT-2) and ALiBi (BLOOM, MPT)."
-    )
 
 
 def use_fast_attention(model) -> bool:

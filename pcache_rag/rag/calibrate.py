@@ -71,7 +71,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 def sample_prompts(rag, n: int, k: int, seed: int = 0) -> list[tuple[list, str]]:
     """``n`` prompts ``(handles, question)`` drawn from ``rag``'s index: ``k`` distinct chunks
     (fewer if the index has fewer), and a question quoting six words of one of them."""
-    from .pipeline import ModuleHandle
+    from .types import ModuleHandle
 
     ids = sorted(cid for cid, _ in rag.index.chunks())
     if not ids:
@@ -116,13 +116,13 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
         it = tqdm(prompts, desc="calibrating", unit="prompt")
     pc = rag.pc
     for handles, question in it:
-        q_ids = rag._fit_question(question, handles, {"max_new_tokens": FORCED + 1})
+        q_ids = rag.fit_question(question, handles, {"max_new_tokens": FORCED + 1})
         full_ids = rag.full_prompt_ids(question, handles)
         forced = pc.generate_parts([], full_ids, max_new_tokens=FORCED).token_ids  # full prefill's own answer
         # one forward gives both references: after the question, and after the forced tokens
         refs = pc.full_prefill(torch.tensor(full_ids + forced), last=len(forced) + 1)
         refs = [refs[0], refs[-1]]
-        parts = rag._parts(handles)
+        parts = rag.parts(handles)
         for c in cands:
             cal = None if c == "none" else c
             for new, want in ((q_ids, refs[0]), (q_ids + forced, refs[1])):
@@ -138,3 +138,45 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
 
 
 __all__ = ["calibrate", "CalibrationReport", "sample_prompts", "DEFAULT_GRID"]
+
+
+def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tuple[str | None, str]:
+    """``(the calibration answers use, where it comes from)``: ``arg`` (``None``, ``"auto"``
+    or a spec), or with ``"auto"`` the index's own when it was chosen for this model."""
+    from ..models.attention import Calibration
+
+    if arg not in (None, "auto"):
+        c = Calibration.parse(arg)
+        return (c.spec if c else None), "given"
+    if arg is None:
+        return None, "given"
+    saved = manifest.get("calibration") or {}
+    if not saved:
+        return None, "none: the index was not calibrated"
+    if saved.get("fingerprint") != fingerprint:
+        return None, "none: the index was calibrated for another model or settings"
+    att = saved.get("attention", "none")
+    return (None if att == "none" else att), (f"the index's (KL {saved.get('kl', 0):.4f} against "
+                                              f"{saved.get('kl_uncalibrated', 0):.4f} uncalibrated)")
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def answer_settings(gen: dict, recompute: str | None, calibration: str | None) -> dict:
+    """``gen`` with an index's recompute policy and calibration, unless the call sets them. A
+    policy that recomputes runs uncalibrated: the two do not combine (said once per pair)."""
+    gen.setdefault("recompute", recompute)
+    if "calibration" in gen:
+        return gen
+    from ..recompute import Recompute
+
+    rc = gen.get("recompute")
+    if calibration is not None and rc is not None and Recompute.parse(rc).kind != "none":
+        if (str(rc), calibration) not in _warned:
+            log.warning("recompute %s runs without the index's calibrated attention (%s): they do not combine",
+                        rc, calibration)
+            _warned.add((str(rc), calibration))
+        calibration = None
+    gen["calibration"] = calibration
+    return gen

@@ -22,14 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .documents import Document, SkipFile
+
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 #: formats read through well-kept parsers: pypdf, beautifulsoup4, python-docx
 DOC_SUFFIXES = (".pdf", ".html", ".htm", ".xhtml", ".docx")
 SUPPORTED = TEXT_SUFFIXES + DOC_SUFFIXES
-
-
-class SkipFile(Exception):
-    """A file that cannot be ingested; the message is the reason."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,14 +35,6 @@ class Chunk:
     text: str
     index: int  # position of the chunk in its document
     n_tokens: int
-
-
-@dataclass(slots=True, frozen=True)
-class Document:
-    text: str
-    encoding: str  # "utf-8", or the detected one
-    note: str = ""  # what a user should know about how it was read (a detected encoding)
-    pages: tuple[str, ...] = ()  # a PDF's text per page (``text`` is them joined by blank lines)
 
 
 def _looks_binary(data: bytes) -> bool:

@@ -9,8 +9,8 @@ process per ingest whose address space is capped with ``resource.setrlimit(RLIMI
 so no single file can take the caller's (a server's) memory, and what the child grew to
 is returned to the system when it exits at the end of the ingest.
 
-The child is this file run as a script (``python extract.py``): it loads the sibling
-``chunking.py`` by path, so it starts in a fraction of a second without importing torch
+The child is ``reader_child.py`` run as a script: it loads the sibling
+``chunking.py`` as a bare module (no package ``__init__``), so it starts in a fraction of a second without importing torch
 or the rest of the package. It reads one JSON request per line on stdin and answers one
 JSON line on stdout. A file that needs more memory than the limit, takes longer than the
 timeout, or crashes the child is a :class:`~.chunking.SkipFile` with that reason; the
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from .documents import Document, SkipFile
 
 #: address space of the reading process, in bytes (the parsers' working memory: html.parser
 #: trees take about 40 bytes per byte of HTML)
@@ -50,15 +52,13 @@ class Extractor:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
         env["PCACHE_RAG_EXTRACT_LIMIT"] = str(self.memory_limit)
         self._proc = subprocess.Popen(
-            [sys.executable, "-u", str(Path(__file__).resolve())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-u", str(Path(__file__).with_name("reader_child.py").resolve())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=None, env=env, text=True, encoding="utf-8", errors="surrogateescape",
         )
         return self._proc
 
     def read(self, path: str | Path):
         """The :class:`~.chunking.Document` of ``path``; :class:`~.chunking.SkipFile` says why not."""
-        from .chunking import Document, SkipFile
-
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
             try:
@@ -133,44 +133,3 @@ def release() -> None:
         ex = _shared
     if ex is not None:
         ex.close()
-
-
-def _serve() -> None:  # the child
-    import importlib.util
-    import logging
-    import resource
-
-    limit = int(os.environ.get("PCACHE_RAG_EXTRACT_LIMIT", MEMORY_LIMIT))
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    logging.basicConfig(level=logging.ERROR)  # pypdf's warnings about odd files stay quiet
-    spec = importlib.util.spec_from_file_location("pcache_rag_chunking", Path(__file__).with_name("chunking.py"))
-    chunking = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = chunking  # dataclasses resolve their module by name
-    spec.loader.exec_module(chunking)
-    for line in sys.stdin:
-        path = Path(json.loads(line)["path"])
-        try:
-            d = chunking.read_document(path, isolate=False)
-            reply = {"doc": {"text": d.text, "encoding": d.encoding, "note": d.note, "pages": list(d.pages)}}
-        except chunking.SkipFile as e:
-            reply = {"skip": str(e)}
-        except MemoryError:  # a heap that hit the limit stays fragmented: answer, then end
-            reply = {"skip": f"reading it needs more than {limit >> 20} MB of memory (a decompression bomb?)",
-                     "exit": True}
-        except RecursionError:
-            reply = {"skip": "its structure is nested too deeply to read"}
-        except Exception as e:  # noqa: BLE001 - any parser failure is this file's skip reason
-            reply = {"skip": f"unreadable: {type(e).__name__}: {e}"}
-        try:
-            out = json.dumps(reply)
-        except MemoryError:
-            reply = {"skip": f"its text needs more than {limit >> 20} MB of memory", "exit": True}
-            out = json.dumps(reply)
-        sys.stdout.write(out + "\n")
-        sys.stdout.flush()
-        if reply.get("exit"):
-            return
-
-
-if __name__ == "__main__":
-    _serve()

@@ -108,3 +108,32 @@ def rrf(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[str, float]]:
 
 
 __all__ = ["BM25Index", "rrf", "RRF_K", "RETRIEVAL_MODES", "check_retrieval"]
+
+
+def hybrid_search(index, embedder, bm25: BM25Index, tag: object, question: str, k: int,
+              mode: str = "hybrid") -> list[tuple]:
+    """``[(id, score, text, metadata)]``, best first: the dense ranking, or (hybrid) the
+    dense and BM25 rankings to a depth of ``max(4k, 20)``, fused by reciprocal rank. ``tag``
+    names the index's version: BM25 is rebuilt when it changes."""
+    emb = embedder.embed([question])[0]
+    if mode == "dense":
+        return index.query(emb, k)
+    depth = max(4 * k, 20)
+    dense = index.query(emb, depth)
+    bm25.ensure(tag, index.texts)
+    lexical = bm25.search(question, depth)
+    fused = rrf([[h[0] for h in dense], [cid for cid, _ in lexical]])[:k]
+    by_id = {h[0]: h for h in dense}
+    bm25 = dict(lexical)
+    extra = index.get([cid for cid, _ in fused if cid not in by_id])
+    out = []
+    for cid, score in fused:
+        doc, meta = by_id[cid][2:] if cid in by_id else extra.get(cid, (None, None))
+        if meta is not None:
+            meta = dict(meta)
+            if cid in by_id:
+                meta["similarity"] = round(by_id[cid][1], 6)
+            if cid in bm25:
+                meta["bm25"] = round(bm25[cid], 6)
+        out.append((cid, score, doc, meta))
+    return out

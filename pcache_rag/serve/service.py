@@ -255,7 +255,9 @@ class AnswerService:
         if job.cancelled.is_set():
             self.counts["cancelled"] += 1
             return
-        out = rag.pc.last_output
+        out = stream.output
+        if out is None:  # the stream ended without its output: nothing to report
+            raise RuntimeError("the answer stream ended without its output")
         stats = {
             "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
             "queued_s": queued,

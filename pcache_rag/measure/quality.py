@@ -81,7 +81,7 @@ def split_mode(mode: str) -> tuple[str, str | None]:
             raise ValueError(f"eval mode {mode!r}: a recompute policy after '+' goes with {', '.join(COND_MODES)}")
         return mode, None
     if cal:
-        from .models.attention import Calibration
+        from ..models.attention import Calibration
 
         Calibration.parse(cal)
         if base not in ("isolated", "preamble") + COND_MODES:
@@ -166,7 +166,7 @@ def _fact(r: random.Random, i: int) -> tuple[str, str, str, str]:
             f"How many {item} does the warehouse in {city} hold?", str(n))
 
 
-FILLER = Path(__file__).parent / "data" / "eval-filler.json.gz"
+FILLER = Path(__file__).resolve().parents[1] / "data" / "eval-filler.json.gz"
 
 
 def filler_pages() -> list[str]:
@@ -182,7 +182,7 @@ class Filler:
     """Passages of real documentation text, ``doc_tokens`` model tokens each."""
 
     def __init__(self, tokenizer, doc_tokens: int):
-        from .tokens import safe_tokenizer
+        from ..tokens import safe_tokenizer
 
         st = safe_tokenizer(tokenizer)
         ids: list[int] = []
@@ -332,8 +332,8 @@ class _Synthetic:
     slots like the RAG path (RoPE re-rotation)."""
 
     def __init__(self, model, tok):
-        from .engine import PromptCache
-        from .assembly import preamble_ids
+        from ..engine import PromptCache
+        from ..assembly import preamble_ids
 
         self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]
@@ -348,10 +348,12 @@ class _Synthetic:
         self.corpus_passage = ""  # ``cond:corpus``'s passage (set by run_eval, per split)
 
     def doc_ids(self, doc: str) -> list[int]:
-        return self.pcs["preamble"].safe.text(doc + "\n\n")
+        from ..assembly import document_ids  # the RAG path's own document tokens
+
+        return document_ids(self.pcs["preamble"], doc)
 
     def q_ids(self, q: str) -> list[int]:
-        from .rag.pipeline import question_ids
+        from ..rag.prompt import question_ids
 
         return question_ids(self.pcs["preamble"], q)
 
@@ -360,7 +362,7 @@ class _Synthetic:
         kv = self.cache.get(key)
         t0 = time.perf_counter()
         if kv is None and enc.startswith("cond:"):
-            from .assembly import Assembler
+            from ..assembly import Assembler
 
             asm = self.asms.get(enc)
             if asm is None:
@@ -408,7 +410,7 @@ class _Synthetic:
             pos += kv.length
         recompute, cal = _cached_request_policy(mode)
         if mode in ORACLE_MODES:
-            from .recompute import Recompute
+            from ..recompute import Recompute
 
             recompute = Recompute.explicit(self.oracle_rows(mode, q, [kv.length for _, kv in parts]))
         return parts, self.q_ids(q.question), "preamble", recompute, cal
@@ -467,8 +469,8 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
              encodings=("isolated", "preamble"), retrieval: str = "hybrid"):
     """An ingested corpus of planted-fact files (one per question, plus plain files), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
-    from .engine import PromptCache
-    from .rag import CachedRAG
+    from ..engine import PromptCache
+    from ..rag import CachedRAG
 
     qs, files, corpus = rag_corpus(tok, workdir, n, doc_tokens, seed, split)
     rags = {}
@@ -494,13 +496,13 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         enc = encoding_of(mode)
         rag, hs = rags[enc], handles[enc]
         gen = {"max_new_tokens": max_new_tokens}
-        q_ids = rag._fit_question(q.question, hs, gen)
+        q_ids = rag.fit_question(q.question, hs, gen)
         if mode == "full":
             reqs.append(([], rag.full_prompt_ids(q.question, hs), None, None))
             fetch.append(0.0)
             continue
         t0 = time.perf_counter()
-        parts = rag._parts(hs)
+        parts = rag.parts(hs)
         fetch.append(time.perf_counter() - t0)
         reqs.append((parts, q_ids, "preamble") + _cached_request_policy(mode))
     outs = _decode_apart(rags["preamble"].pc, modes, reqs, max_new_tokens)
@@ -528,9 +530,9 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
     at ``k`` when its planted-fact file is among the ``k`` chunks retrieved."""
     import tempfile
 
-    from .engine import PromptCache
-    from .default_model import load_model
-    from .rag import CachedRAG
+    from ..engine import PromptCache
+    from ..default_model import load_model
+    from ..rag import CachedRAG
 
     model, tok = load_model(model_path)
     out: dict = {"n": n, "split": split, "doc_tokens": doc_tokens, "ks": list(ks), "modes": {}}
@@ -572,8 +574,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
 
     import torch
 
-    from .default_model import load_model
-    from .recompute import Recompute
+    from ..default_model import load_model
+    from ..recompute import Recompute
 
     for m in modes:
         base, _ = split_mode(m)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import _median
+from .metrics import median
 
 QUESTION_TOKENS = 32
 
@@ -96,7 +96,7 @@ def machine(device) -> dict:
     """The machine and software this report was measured on."""
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     cpu = platform.processor() or ""
     try:
@@ -119,7 +119,7 @@ _DOC_IDS: dict[int, list[int]] = {}  # tokenizer id -> the docs' token ids (pydo
 def _context_ids(tok, n: int, seed: int = 0) -> list[int]:
     """``n`` token ids of real documentation text (this machine's standard-library docs),
     starting ``seed`` tokens in."""
-    from .bench import stdlib_docs
+    from ..samples import stdlib_docs
 
     ids = _DOC_IDS.get(id(tok))
     if ids is None:
@@ -146,9 +146,9 @@ def _modules(pc, ids: list[int], chunk: int) -> list:
 
 def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tuple[Figure, dict]:
     """TTFT against prompt length: full prefill, cached from every tier, and the floor."""
-    from .bench import _drop_page_cache
-    from .engine import PromptCache
-    from .store import DiskTier, MemoryTier, TieredStore
+    from .metrics import drop_page_cache
+    from ..engine import PromptCache
+    from ..store import DiskTier, MemoryTier, TieredStore
 
     need = max(sz.lengths) + 64
     engines = {"memory": PromptCache(model, tok, store_dtype=None, max_tokens=need,
@@ -163,13 +163,12 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
     if kv_url:
         import uuid
 
-        from .store import RemoteTier
+        from ..store import RemoteTier
 
         remote = RemoteTier(kv_url, prefix=f"pcache-benchall-{uuid.uuid4().hex[:8]}")
         host_r = MemoryTier("cpu", name="host")
         engines["redis"] = PromptCache(model, tok, store=TieredStore([host_r, remote]), max_tokens=need)
     tiers = ["memory", "host fp16", "host int8", "disk warm", "disk cold"] + (["redis"] if kv_url else [])
-    label = "device memory (model dtype)" if torch.device(device).type == "cuda" else "memory (model dtype)"
     fig = Figure("length", "Time to first token against prompt length",
                  ["prompt tokens", "full prefill ms"] + [f"{t} ms" for t in tiers]
                  + ["floor ms", "speed-up (host fp16)", "encode ms", "break-even reuses"])
@@ -184,7 +183,7 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
         full_ids = torch.tensor(ids + q)
         pc0 = engines["memory"]
         full_rep = sz.repeats if n <= 2048 else 1
-        full = _median(lambda: (pc0.full_prefill(full_ids), _sync(device)), full_rep)
+        full = median(lambda: (pc0.full_prefill(full_ids), _sync(device)), full_rep)
         times = {}
         floor = None
         # Encode once (what ingest pays), store a copy in every engine's tiers in its dtype.
@@ -213,11 +212,11 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
 
             if name == "disk":
                 times["disk warm"] = _median_with(run, evict, sz.repeats)
-                times["disk cold"] = _median_with(run, lambda: (evict(), _drop_page_cache(disk.directory)), sz.repeats)
+                times["disk cold"] = _median_with(run, lambda: (evict(), drop_page_cache(disk.directory)), sz.repeats)
             elif name == "redis":
                 times["redis"] = _median_with(run, evict, sz.repeats)
             else:
-                times[name] = _median(run, sz.repeats)
+                times[name] = median(run, sz.repeats)
             if name == "memory":  # floor: the same prompt again, nothing to copy
                 kvs = [(k, pc.store.get(k)) for k in keys]
                 pc.prefill_parts(kvs, q)
@@ -262,7 +261,7 @@ def _median_with(fn, before, repeats: int) -> float:
 
 def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
     """TTFT against the cached share of a prompt of fixed length."""
-    from .engine import PromptCache
+    from ..engine import PromptCache
 
     N = sz.fraction_tokens
     pc = PromptCache(model, tok, store_dtype=None, max_tokens=N + 64)
@@ -281,7 +280,7 @@ def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
             pc.prefill_parts(parts, new)
             _sync(device)
 
-        t = _median(run, sz.repeats)
+        t = median(run, sz.repeats)
         base = t if base is None else base
         fig.rows.append([f * 100, c, len(new), t * 1e3, base / t])
         log(f"[fraction] {f:.0%} cached: {t * 1e3:.0f} ms (x{base / t:.1f})")
@@ -305,7 +304,7 @@ def _random_llama(shape: str, device):
 
 def fig_size(tok, sz: Sizes, device, log) -> Figure:
     """The TTFT ratio against model size, on random-initialised Llama shapes."""
-    from .engine import PromptCache
+    from ..engine import PromptCache
 
     fig = Figure("size", "TTFT speed-up against model size (random-initialised Llama shapes)",
                  ["model shape", "parameters (M)", "prompt tokens", "full prefill ms", "cached ms", "speed-up"])
@@ -321,18 +320,18 @@ def fig_size(tok, sz: Sizes, device, log) -> Figure:
             parts = _modules(pc, ids, 512)
             full_ids = torch.tensor(ids + q)
             rep = sz.repeats if n <= 2048 and params < 500 else 1
-            full = _median(lambda: (pc.full_prefill(full_ids), _sync(device)), rep)
+            full = median(lambda: (pc.full_prefill(full_ids), _sync(device)), rep)
 
             def run():
                 pc.workspace.invalidate()
                 pc.prefill_parts(parts, q)
                 _sync(device)
 
-            cached = _median(run, sz.repeats)
+            cached = median(run, sz.repeats)
             fig.rows.append([shape, params, n, full * 1e3, cached * 1e3, full / cached])
             log(f"[size] {shape} ({params:.0f}M) at {n} tokens: full {full * 1e3:.0f} ms, cached "
                 f"{cached * 1e3:.0f} ms (x{full / cached:.1f})")
-            del pc, parts
+            pc = parts = None  # free the workspace before the next length
         del model
     fig.notes.append("Random weights in float32 (no download): speed depends on shapes, not on weights. "
                      "Shapes: " + "; ".join(f"{s}: hidden {SHAPES[s][0]}, {SHAPES[s][1]} layers, "
@@ -345,7 +344,7 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
     """Per-module encoding cost by chunk size, batching, and ingest throughput."""
     from transformers.cache_utils import DynamicCache
 
-    from .engine import PromptCache
+    from ..engine import PromptCache
 
     pc = PromptCache(model, tok, store_dtype=None)
     enc = Figure("encoding", "Encoding cost: one module, and batches of modules",
@@ -361,7 +360,7 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
                     pc.model(input_ids=ids, position_ids=pos, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
                 _sync(device)
 
-            t = _median(run, sz.repeats)
+            t = median(run, sz.repeats)
             per = t / b
             base = per if base is None else base
             enc.rows.append([c, b, t * 1e3, per * 1e3, b * c / t, base / per])
@@ -370,8 +369,8 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
                      "encoded at their canonical start). 'vs batch 1' above 1 means batching pays.")
 
     # ingest throughput through CachedRAG (chunking, embedding, encoding, storing)
-    from .evalq import Filler
-    from .rag import CachedRAG
+    from .quality import Filler
+    from ..rag import CachedRAG
 
     corpus = workdir / "ingest-corpus"
     corpus.mkdir(parents=True, exist_ok=True)
@@ -403,9 +402,9 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
 
 def fig_scaffold(model, tok, sz: Sizes, log) -> Figure:
     """Scaffolded joint encoding against separate modules on cross-document questions."""
-    from .engine import PromptCache
-    from .evalq import SYSTEM, build_sets, contains
-    from .pml import escape
+    from ..engine import PromptCache
+    from .quality import SYSTEM, build_sets, contains
+    from ..pml import escape
 
     qs = build_sets(tok, sz.scaffold_questions, sz.doc_tokens, 4, seed=3)["cross"]
     modes = ("full prefill", "separate modules", "scaffold")
@@ -436,7 +435,7 @@ def fig_scaffold(model, tok, sz: Sizes, log) -> Figure:
                 full = pc.generate_parts([], ids, max_new_tokens=24, stop=["\n"])
                 got["full prefill"].append(contains(full.text, q.answer))
                 ttft["full prefill"].append(full.ttft_s)
-    from .evalq import wilson
+    from .quality import wilson
 
     fig = Figure("scaffold", "Scaffolds: the two documents an answer needs, encoded jointly",
                  ["mode", "correct", "questions", "accuracy", "95% CI low", "95% CI high", "median TTFT ms",
@@ -457,7 +456,7 @@ def fig_scaffold(model, tok, sz: Sizes, log) -> Figure:
 
 def fig_memory(model, tok, ingest: dict, log) -> Figure:
     """Bytes per cached token, formula against measured, and disk use per 1,000 chunks."""
-    from .engine import PromptCache
+    from ..engine import PromptCache
 
     ids = _context_ids(tok, 512)
     fig = Figure("memory", "Memory: bytes per cached token, and disk per 1,000 chunks",
@@ -658,7 +657,7 @@ def write_report(figs: list[Figure], info: dict, out: Path, quick: bool, seconds
 def run_all(model_path=None, quick: bool = False, device: str = "cpu", out="docs", kv_url: str | None = None,
             log=print) -> dict:
     """Measure every figure and write ``benchmarks.md``, its PNGs and ``benchmarks.json`` to ``out``."""
-    from .default_model import load_model
+    from ..default_model import load_model
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device here (the report never estimates GPU numbers)")

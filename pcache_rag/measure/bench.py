@@ -22,41 +22,14 @@ by ``pydoc`` on this machine, so the project ships no third-party prose.
 
 from __future__ import annotations
 
-import importlib
-import pydoc
 import statistics
 import time
-import warnings
 
-from .pml import escape
-
-_DOC_MODULES = (
-    "json", "os", "re", "collections", "functools", "itertools", "argparse", "logging", "pathlib",
-    "subprocess", "typing", "dataclasses", "asyncio", "threading", "socket", "email", "http.client",
-    "unittest", "sqlite3", "csv", "datetime", "decimal", "random", "statistics", "textwrap", "string",
-    "shutil", "tempfile", "zipfile", "tarfile", "heapq", "bisect", "contextlib", "inspect", "abc",
-)
+from ..pml import escape
+from ..samples import stdlib_docs
+from .metrics import drop_page_cache, median
 
 QUESTION = "Using the documents above, what does the json module do, and how do I read a file with it?"
-
-
-def stdlib_docs(min_chars: int = 0, modules=_DOC_MODULES) -> list[tuple[str, str]]:
-    """``(module name, plain-text pydoc page)`` for standard-library modules."""
-    out = []
-    total = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in modules:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:  # pragma: no cover - stdlib modules are present
-                continue
-            text = pydoc.render_doc(mod, renderer=pydoc.plaintext)
-            out.append((name, text))
-            total += len(text)
-            if min_chars and total >= min_chars:
-                break
-    return out
 
 
 def doc_schema(pc, name: str, total_tokens: int, question_tokens: int = 32, chunk: int = 500):
@@ -96,15 +69,6 @@ def doc_schema(pc, name: str, total_tokens: int, question_tokens: int = 32, chun
     return schema, prompt
 
 
-def _median(fn, repeats: int) -> float:
-    xs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t)
-    return statistics.median(xs)
-
-
 def bench_ttft(pc, lengths=(512, 1024, 2048, 4096, 8192), repeats: int = 3, question_tokens: int = 32, log=print):
     """Run the TTFT sweep; returns a list of row dicts."""
     rows = []
@@ -128,10 +92,10 @@ def bench_ttft(pc, lengths=(512, 1024, 2048, 4096, 8192), repeats: int = 3, ques
             floor_fwd.append(r.forward_s)
 
         floor_fwd: list[float] = []
-        full = _median(lambda: pc.full_prefill(res.input_ids), repeats)
-        t_cached = _median(cached, repeats)
+        full = median(lambda: pc.full_prefill(res.input_ids), repeats)
+        t_cached = median(cached, repeats)
         pc.prefill(prompt)
-        _median(floor, repeats)
+        median(floor, repeats)
         t_floor = statistics.median(floor_fwd)
         base = pc.full_prefill(res.input_ids)
         row = {
@@ -153,21 +117,6 @@ def bench_ttft(pc, lengths=(512, 1024, 2048, 4096, 8192), repeats: int = 3, ques
     return rows
 
 
-def _drop_page_cache(directory) -> None:
-    """Ask the kernel to forget cached pages of every file under ``directory`` (no root needed)."""
-    import os
-    from pathlib import Path
-
-    for f in Path(directory).rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd) if os.access(f, os.W_OK) else None
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory=None, log=print,
                 kv_url: str | None = None) -> dict:
     """Bytes per cached token vs the formula, disk load throughput, and TTFT from each tier
@@ -177,9 +126,9 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
 
     import torch
 
-    from .default_model import load_model
-    from .engine import PromptCache
-    from .store import DiskTier, MemoryTier, TieredStore
+    from ..default_model import load_model
+    from ..engine import PromptCache
+    from ..store import DiskTier, MemoryTier, TieredStore
 
     model, tok = load_model(model_path)
     tmp = tempfile.mkdtemp(prefix="pcache-bench-") if directory is None else directory
@@ -190,7 +139,7 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     schema, prompt = doc_schema(mem, "store", tokens)
     mem.add_schema(schema)
     res = mem.prefill(prompt)
-    full = _median(lambda: mem.full_prefill(res.input_ids), repeats)
+    full = median(lambda: mem.full_prefill(res.input_ids), repeats)
 
     def ttft(pc, before=None) -> float:
         xs = []
@@ -208,7 +157,7 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     disk = DiskTier(tmp)
     pc = PromptCache(model, tok, store=TieredStore([host, disk]), max_tokens=tokens + 64)
     pc.add_schema(schema)
-    keys = list(pc._schemas["store"].keys.values())
+    keys = list(pc.unit_keys("store").values())
     t_host = ttft(pc)
 
     def evict_host():
@@ -219,7 +168,7 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
 
     def evict_cold():
         evict_host()
-        _drop_page_cache(tmp)
+        drop_page_cache(tmp)
 
     t_cold = ttft(pc, evict_cold)
 
@@ -227,7 +176,7 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     pc8 = PromptCache(model, tok, store=TieredStore([MemoryTier("cpu", name="host")]), store_dtype="int8",
                       max_tokens=tokens + 64)
     pc8.add_schema(schema)
-    kvs8 = [pc8.store.get(k) for k in pc8._schemas["store"].keys.values()]
+    kvs8 = [pc8.store.get(k) for k in pc8.unit_keys("store").values()]
     t_host8 = ttft(pc8)
     out["bytes_per_token_int8"] = round(sum(kv.nbytes() for kv in kvs8) / sum(kv.length for kv in kvs8), 1)
     out["ttft_host_int8_s"] = round(t_host8, 4)
@@ -236,13 +185,13 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     if kv_url:  # the remote tier: host emptied before each run, no disk, so every unit comes from Redis
         import uuid
 
-        from .store import RemoteTier
+        from ..store import RemoteTier
 
         host_r = MemoryTier("cpu", name="host")
         remote = RemoteTier(kv_url, prefix=f"pcache-bench-{uuid.uuid4().hex[:8]}")
         pcr = PromptCache(model, tok, store=TieredStore([host_r, remote]), max_tokens=tokens + 64)
         pcr.add_schema(schema)
-        keys_r = list(pcr._schemas["store"].keys.values())
+        keys_r = list(pcr.unit_keys("store").values())
         assert all(remote.contains(k) for k in keys_r), f"the Redis server at {kv_url} did not keep the states"
 
         def evict_host_r():
@@ -263,7 +212,7 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
     for k in keys:
         disk.get(k)
     warm_s = time.perf_counter() - t0
-    _drop_page_cache(tmp)
+    drop_page_cache(tmp)
     t0 = time.perf_counter()
     for k in keys:
         disk.get(k)
@@ -273,8 +222,8 @@ def bench_store(model_path=None, tokens: int = 4096, repeats: int = 3, directory
             "bytes_per_token_fp16": round(n_bytes / n_tok, 1),
             "formula_fp16": shape.bytes_per_token(2),
             "formula_fp32": shape.bytes_per_token(4),
-            "bytes_per_token_fp32": mem.store.get(mem._schemas["store"].keys["d0"]).nbytes()
-            / mem.store.get(mem._schemas["store"].keys["d0"]).length,
+            "bytes_per_token_fp32": mem.store.get(mem.unit_key("store", "d0")).nbytes()
+            / mem.store.get(mem.unit_key("store", "d0")).length,
             "disk_load_MBps_warm": round(n_bytes / warm_s / 1e6, 1),
             "disk_load_MBps_cold": round(n_bytes / cold_s / 1e6, 1),
             "full_prefill_s": round(full, 3),
@@ -320,9 +269,9 @@ def bench_rag(model_path=None, index_dir=None, k: int = 4, chunk_tokens: int = 5
     import tempfile
     from pathlib import Path
 
-    from .demo import build_corpus
-    from .engine import PromptCache
-    from .rag import CachedRAG
+    from ..samples import build_corpus
+    from ..engine import PromptCache
+    from ..rag import CachedRAG
 
     index = Path(index_dir) if index_dir else Path(tempfile.mkdtemp(prefix="pcache-rag-bench-"))
     corpus = build_corpus(index / "corpus", modules=RAG_MODULES)
@@ -375,7 +324,7 @@ def quality_set(tokenizer, doc_tokens: int = 450, facts_in_distractors: bool = T
     (no fact) to serve as distractors: the usual RAG case, where other retrieved chunks do not
     state competing facts of the same form."""
     docs, qs = [], []
-    from .evalq import filler_pages  # the shipped, process-independent text (pydoc holds addresses)
+    from .quality import filler_pages  # the shipped, process-independent text (pydoc holds addresses)
 
     pages = filler_pages()[6:]
     ids = [i for p in pages for i in tokenizer(p, add_special_tokens=False)["input_ids"][:4000]]
@@ -398,8 +347,8 @@ def bench_quality(model_path=None, slots: int = 4, max_new_tokens: int = 16, fac
     (documents that state competing facts, or plain ones with ``facts_in_distractors=False``)."""
     import torch
 
-    from .default_model import load_model
-    from .engine import PromptCache
+    from ..default_model import load_model
+    from ..engine import PromptCache
 
     model, tok = load_model(model_path)
     docs, qs = quality_set(tok, facts_in_distractors=facts_in_distractors)

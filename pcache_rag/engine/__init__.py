@@ -1,0 +1,22 @@
+"""The engine: modular attention reuse over a Hugging Face causal LM.
+
+``prompt_cache`` is the facade; ``schemas`` (registry and planning), ``encoder`` (encoding
+and the context memo), ``prefill`` (assembly and the forward), ``mask`` (the pure mask
+builder), ``decode`` (sampling, stop strings, :class:`Generation`) and ``types`` are its parts.
+"""
+
+from .decode import Generation, SamplingParams
+from .prompt_cache import PromptCache
+from .types import (
+    DEFAULT_ENCODING,
+    ENCODINGS,
+    ContextOverflowError,
+    Encoding,
+    FinishReason,
+    GenerationOutput,
+    PrefillResult,
+    SchemaReport,
+)
+
+__all__ = ["PromptCache", "Generation", "SamplingParams", "GenerationOutput", "PrefillResult", "SchemaReport",
+           "ContextOverflowError", "Encoding", "FinishReason", "ENCODINGS", "DEFAULT_ENCODING"]

@@ -1,0 +1,108 @@
+"""One prefill: assemble cached states in the workspace, compute the new tokens over them.
+
+The data path of every cached prompt: the :class:`~pcache_rag.kv.Workspace` places the
+units' states (copying only what is not resident), :mod:`.mask` lays out the query and
+its mask, :mod:`pcache_rag.recompute` picks context rows to compute again, and one
+forward of the stock model computes them all. When nothing needs a mask beyond "every
+earlier key, and the new tokens causally", no mask is built: the attention's split path
+(:mod:`pcache_rag.models.attention`) serves the cache unmasked and the new tokens causally.
+The same path carries calibrated attention (``ape:T:S``) on every cached key after the
+first unit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..kv import ModuleKV, Workspace
+from ..models import UnsupportedModelError
+from ..models.attention import CalibratedSpan, Calibration, calibrated
+from ..recompute import Recompute, recompute_mask, select_rows
+from .mask import query_layout
+from .types import PrefillResult
+
+
+class Prefiller:
+    """Runs prefills over one workspace with one model adapter."""
+
+    def __init__(self, adapter, workspace: Workspace) -> None:
+        self.adapter = adapter
+        self.workspace = workspace
+
+    @torch.no_grad()
+    def run(self, labels: Sequence[str], kvs: list[ModuleKV], args: Sequence[tuple[Any, Any, list[int]]],
+            uncached_ids: Sequence[int], uncached_positions: Sequence[int], preamble: str | None, reserve: int,
+            policy: Recompute = Recompute(), calibration: Calibration | None = None) -> PrefillResult:
+        """Assemble ``kvs`` (labelled), compute arguments and uncached tokens (and the context
+        rows ``policy`` selects), return the last logits. ``reserve`` leaves room for that many
+        generated tokens."""
+        adapter, ws = self.adapter, self.workspace
+        dev = adapter.device
+        t0 = time.perf_counter()
+        q = sum(len(ids) for _, _, ids in args) + len(uncached_ids)
+        rows = select_rows(adapter, ws, kvs, policy, uncached_ids, uncached_positions)
+        C, copied = ws.assemble(kvs, extra=q + len(rows) + reserve)
+        t1 = time.perf_counter()
+        plain = C == 0 and not args  # nothing cached: an ordinary causal prefill
+        split = not args and not rows and adapter.family != "alibi"  # the split path: no mask
+        span = self.calibrated_span(kvs, calibration, bool(args), policy if rows else None)
+        lay = query_layout(labels, [kv.length for kv in kvs], args, uncached_ids, uncached_positions, preamble,
+                           need_mask=not (plain or split), attend_all=policy.kind == "all" and bool(rows))
+        allowed = lay.allowed
+        new_ids = torch.tensor(lay.ids, dtype=torch.long)  # (q,)
+        new_pos = torch.tensor(lay.positions, dtype=torch.long)
+        cached_pos = [kv.position_ids for kv in kvs]
+        ids_t, pos_t = new_ids, new_pos
+        nS = len(rows)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        if nS:
+            # Selected context rows join the query, before the new tokens (recompute.py).
+            assert allowed is not None
+            ids_t = torch.cat([torch.cat([kv.token_ids for kv in kvs])[rows_t], new_ids])
+            pos_t = torch.cat([torch.cat(cached_pos)[rows_t], new_pos])
+            allowed = recompute_mask(allowed, C, rows_t)
+        if allowed is not None:
+            allowed = allowed.to(dev)
+        key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.family == "alibi" and not plain else None
+        t2 = time.perf_counter()
+        with calibrated(span) as counter:
+            logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos)[-1]
+        if span is not None and counter.calls == 0:
+            raise UnsupportedModelError(f"calibrated attention: {type(adapter.model).__name__} does not run its "
+                                        "attention through pcache_sdpa")
+        if nS:
+            ws.replace_rows(rows_t.to(dev), C, nS, q)
+        t3 = time.perf_counter()
+        return PrefillResult(
+            logits=logits,
+            input_ids=torch.cat([kv.token_ids for kv in kvs] + [new_ids]),
+            position_ids=torch.cat(cached_pos + [new_pos]),
+            spans=lay.spans,
+            cached_tokens=C - nS,
+            computed_tokens=q + nS,
+            copied_tokens=copied,
+            assemble_s=t1 - t0,
+            forward_s=t3 - t2,
+            recomputed_tokens=nS,
+            calibrated=span,
+        )
+
+    def calibrated_span(self, kvs: list[ModuleKV], calibration: Calibration | None, args: bool,
+                        recompute: Recompute | None) -> CalibratedSpan | None:
+        """The keys ``calibration`` applies to: every cached key after the first unit (the
+        shared preamble); ``None`` without a calibration or with fewer than two units.
+        Refused by name where the split path cannot run."""
+        if calibration is None or len(kvs) < 2:
+            return None
+        if self.adapter.family == "alibi":
+            raise UnsupportedModelError("calibrated attention runs through pcache_sdpa's split path; ALiBi models "
+                                        "attend with their own bias")
+        if args or recompute is not None:
+            what = "PML parameters" if args else f"recompute {recompute}"
+            raise ValueError(f"calibrated attention ({calibration.spec}) does not combine with {what}: choose one")
+        P = kvs[0].length
+        return CalibratedSpan(P, sum(kv.length for kv in kvs), calibration)

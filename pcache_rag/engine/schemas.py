@@ -1,0 +1,190 @@
+"""The schema registry: PML schemas laid out, their units encoded and keyed, prompts planned.
+
+A :class:`SchemaRegistry` owns every added schema's layout and the store key of each of its
+units (what the unit's states depend on: the model, its tokens and positions, and the
+context it was encoded after). It encodes the units a store lacks, plans prompts against
+the schemas and names the states a prompt needs (re-encoding any the store lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..conditioning import neutral_text, parse_conditioning
+from ..kv import ModuleKV
+from ..pml import PMLError, SchemaLayout, layout_schema, parse_prompt, plan_prompt
+from ..pml.layout import PromptPlan, Unit
+from ..store import KVStore, unit_key
+from .encoder import Encoder
+from .types import Encoding, SchemaReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchemaState:
+    """One added schema: its layout and where its units' states live."""
+
+    layout: SchemaLayout
+    keys: dict[str, str] = field(default_factory=dict)  # unit name -> store key
+    context: dict[str, str | None] = field(default_factory=dict)  # unit name -> key of what it attended to
+    conditioning: tuple[str | None, list[int], str] | None = None  # (preamble key, passage ids, context key)
+
+
+class SchemaRegistry:
+    """Added schemas by name. Not locked: :class:`~pcache_rag.engine.PromptCache` calls it
+    under its own lock."""
+
+    def __init__(self, tokenizer, chat, max_positions: int, fingerprint: str, encoding: Encoding,
+                 encoder: Encoder, store: KVStore, movable: bool, model_type: str) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.max_positions = max_positions
+        self.fingerprint = fingerprint
+        self.encoding = encoding
+        self.encoder = encoder
+        self.store = store
+        self.movable = movable  # states can move to other positions (RoPE re-rotation, ALiBi)
+        self.model_type = model_type
+        self._states: dict[str, SchemaState] = {}
+
+    def layout(self, schema_pml: str) -> tuple[SchemaLayout, int]:
+        """Parse and lay out a schema, and check its conditioning (how many neutral passages)."""
+        layout = layout_schema(schema_pml, self.tokenizer, self.chat, self.max_positions)
+        return layout, self._conditioning(layout)
+
+    def add(self, layout: SchemaLayout, n_cond: int, safe_text, progress: bool = False) -> SchemaReport:
+        """Key every unit of ``layout`` and encode those the store lacks; replaces a schema of
+        the same name. ``safe_text`` tokenizes the conditioning passages."""
+        t0 = time.perf_counter()
+        state = SchemaState(layout)
+        pre = layout.units.get(layout.preamble) if layout.preamble else None
+        pre_key = None
+        if pre is not None:
+            pre_key = unit_key(self.fingerprint, pre.token_ids, pre.position_ids, None, pre.kind)
+        unit_ctx = pre_key
+        if n_cond and pre is not None:  # modules attend to the preamble and the neutral passages
+            cond_ids = safe_text(neutral_text(n_cond))
+            P = len(pre.token_ids)
+            unit_ctx = unit_key(self.fingerprint, cond_ids, range(P, P + len(cond_ids)), pre_key,
+                                "pml-conditioning")
+            state.conditioning = (pre_key, cond_ids, unit_ctx)
+        units = list(layout.units.values())
+        it = units
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(units, desc=f"encoding {layout.name}", unit="module")
+        encoded = 0
+        for u in it:
+            ctx = unit_ctx if (self.encoding == "preamble" and pre is not None and u is not pre) else None
+            key = unit_key(self.fingerprint, u.token_ids, u.position_ids, ctx, u.kind)
+            state.keys[u.name] = key
+            state.context[u.name] = ctx
+            if not self.store.contains(key):
+                self._encode_unit(state, u, key, ctx)
+                encoded += 1
+        self._states[layout.name] = state
+        return SchemaReport(layout.name, encoded, len(units) - encoded, sum(len(u.token_ids) for u in units),
+                            time.perf_counter() - t0)
+
+    def _conditioning(self, layout: SchemaLayout) -> int:
+        """How many neutral passages the schema's modules are encoded after (0: the paper's
+        semantics); refused by name where the states cannot be moved back or have no preamble."""
+        n = parse_conditioning(layout.conditioning)
+        if not n:
+            return 0
+        why = None
+        if self.encoding != "preamble":
+            why = "it extends the preamble context, so it needs encoding='preamble'"
+        elif layout.preamble is None:
+            why = "the schema has no preamble (text before its first module) to extend"
+        elif not self.movable:
+            why = f"it needs states that can move (RoPE or ALiBi); {self.model_type}'s cannot"
+        if why:
+            raise PMLError(f"schema {layout.name!r}: conditioning={layout.conditioning!r} cannot be used: {why}", 1, 1)
+        return n
+
+    def _encode_unit(self, state: SchemaState, u: Unit, key: str, ctx: str | None) -> ModuleKV:
+        layout, enc = state.layout, self.encoder
+        cond = state.conditioning
+        if ctx is not None and cond is not None and ctx == cond[2]:
+            assert layout.preamble is not None and cond[0] is not None
+            pre = layout.units[layout.preamble]
+            context = enc.conditioned_context(cond[0], pre.token_ids, pre.position_ids, cond[2], cond[1])
+            kv = enc.encode_moved(u.token_ids, u.position_ids, context)
+        else:
+            context = None
+            if ctx is not None:
+                assert layout.preamble is not None
+                pre = layout.units[layout.preamble]
+                context = enc.context_states(ctx, pre.token_ids, pre.position_ids)
+            kv = enc.encode_stored(u.token_ids, u.position_ids, context)
+        self.store.put(key, kv)
+        return kv
+
+    # ------------------------------------------------------------------ lookups
+
+    def names(self) -> list[str]:
+        return list(self._states)
+
+    def state(self, name: str) -> SchemaState:
+        try:
+            return self._states[name]
+        except KeyError:
+            raise PMLError(f"no schema named {name!r} was added; call add_schema first") from None
+
+    def unit_keys(self, schema: str) -> dict[str, str]:
+        """Unit name -> store key, for every unit of ``schema``."""
+        return dict(self.state(schema).keys)
+
+    def unit_key(self, schema: str, unit: str) -> str:
+        try:
+            return self.state(schema).keys[unit]
+        except KeyError:
+            raise PMLError(f"schema {schema!r} has no unit named {unit!r}") from None
+
+    def sizes(self) -> dict[str, int]:
+        return {n: len(st.keys) for n, st in self._states.items()}
+
+    # ------------------------------------------------------------------ prompts
+
+    def plan(self, prompt_pml: str) -> tuple[PromptPlan, SchemaState]:
+        """Parse a prompt and check it against its schema."""
+        prompt = parse_prompt(prompt_pml)
+        state = self._states.get(prompt.schema)
+        if state is None:
+            known = ", ".join(repr(n) for n in self._states) or "none"
+            raise PMLError(f"unknown schema {prompt.schema!r} (added: {known}); call add_schema first",
+                           prompt.line, prompt.column)
+        plan = plan_prompt(prompt, state.layout, self.tokenizer, self.max_positions)
+        if not plan.uncached_ids:
+            raise PMLError("the prompt adds no new text: add a question or a <user> turn after the imports",
+                           prompt.line, prompt.column)
+        return plan, state
+
+    def states(self, plan: PromptPlan, state: SchemaState) -> list[ModuleKV]:
+        """The imported units' states, re-encoding any the store lost (evicted or damaged)."""
+        keys = [state.keys[u.name] for u in plan.units]
+        kvs = self.store.get_many(keys)
+        out: list[ModuleKV] = []
+        for i, kv in enumerate(kvs):
+            if kv is None:
+                u = plan.units[i]
+                log.info("re-encoding %s: not in the store", u.name)
+                kv = self._encode_unit(state, u, keys[i], state.context[u.name])
+            out.append(kv)
+        return out
+
+    def prefetch_keys(self, prompt_pml: str, union_members: bool = False) -> list[str]:
+        """The store keys a prompt imports; with ``union_members`` also the other members of
+        each imported module's union (the paper's prefetch hint)."""
+        plan, state = self.plan(prompt_pml)
+        names = [u.name for u in plan.units]
+        if union_members:
+            for u in plan.units:
+                if u.union is not None:
+                    names += [m for m in plan.layout.unions[u.union] if m not in names]
+        return [state.keys[n] for n in names]

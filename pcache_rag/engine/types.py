@@ -1,0 +1,85 @@
+"""The engine's value types: what a prefill and a generation return, and the named strings.
+
+Nothing here computes; every other part of :mod:`pcache_rag.engine` and its callers share
+these shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..models.attention import CalibratedSpan
+
+#: how a module's tokens are encoded: alone (the paper) or after the schema's preamble
+Encoding = Literal["isolated", "preamble"]
+ENCODINGS: tuple[Encoding, ...] = ("isolated", "preamble")
+DEFAULT_ENCODING: Encoding = "preamble"  # measured better than "isolated": `pcache-rag eval quality`, README
+#: why a generation ended: ``max_new_tokens`` reached, the model's end token, or a stop string
+FinishReason = Literal["length", "eos", "stop"]
+
+
+class ContextOverflowError(ValueError):
+    """A prompt needs more positions than the model takes (not a PML error: no PML may be involved)."""
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """The outcome of prefilling one prompt against cached states."""
+
+    logits: torch.Tensor  # (vocab,) next-token logits after the last prompt token
+    input_ids: torch.Tensor  # (T,) cache order: imported units, arguments, uncached tokens
+    position_ids: torch.Tensor  # (T,) the position id of each of those tokens
+    spans: list[tuple[str, int, int]]  # (label, start, end) ranges of input_ids
+    cached_tokens: int  # tokens whose states came from the cache
+    computed_tokens: int  # tokens computed by this prefill
+    copied_tokens: int = 0  # cached tokens copied into the workspace (the rest were resident)
+    recomputed_tokens: int = 0  # context tokens recomputed on top of the cache (counted in computed_tokens)
+    assemble_s: float = 0.0  # seconds spent placing cached states
+    forward_s: float = 0.0  # seconds in the forward pass
+    calibrated: CalibratedSpan | None = None  # the keys decoding attends to with a calibration
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A finished generation."""
+
+    text: str  # decoded new text (stop string excluded)
+    token_ids: list[int]  # generated token ids
+    ttft_s: float  # seconds from the call to the first sampled token
+    cached_tokens: int
+    computed_tokens: int
+    total_s: float = 0.0
+    finish_reason: FinishReason = "length"
+    recomputed_tokens: int = 0  # context tokens recomputed (included in computed_tokens)
+
+
+@dataclass(slots=True)
+class SchemaReport:
+    """What ``add_schema`` did: units encoded now vs found in the store."""
+
+    name: str
+    encoded: int
+    loaded: int
+    tokens: int
+    seconds: float
+
+
+_STORE_DTYPES = {"int8": torch.int8, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def store_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
+    """``None``, a torch dtype or its name, checked against the dtypes states can be stored in."""
+    got = d if d is None or isinstance(d, torch.dtype) else _STORE_DTYPES.get(str(d).lower())
+    if got is None and d is not None or got is not None and got not in _STORE_DTYPES.values():
+        raise ValueError(f"store_dtype must be one of {sorted(set(_STORE_DTYPES))}, not {d!r}")
+    return got
+
+
+def vars_of(obj: object) -> dict:
+    """A stats object's fields as a dict (slotted dataclasses have no ``__dict__``)."""
+    slots = getattr(obj, "__slots__", None)
+    return {k: getattr(obj, k) for k in slots} if slots is not None else dict(vars(obj))

@@ -1,0 +1,127 @@
+"""The index directory: its manifest (what the index was built with, and the commit counter
+every process watches), the check that a path may hold an index, and the ingest lock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "pcache-index.json"
+FORMAT = "pcache-index-1"
+
+
+def check_index_dir(path: str | Path, create: bool = True) -> Path:
+    """Validate an index directory before anything is loaded: it may be new, empty, or an
+    index; never a file or a folder of other things (documents would get chroma/ and kv/)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"the index must be a directory, but {p} is a file")
+    if p.is_dir():
+        names = {c.name for c in p.iterdir()}
+        ours = {MANIFEST, "chroma", "kv", ".ingest.lock"}
+        if names and not (names & ours):
+            raise ValueError(
+                f"{p} holds other files and is not a pcache-rag index; point the index at a new or empty "
+                f"directory (documents are given to ingest separately)"
+            )
+        if not create and not (names & {MANIFEST, "chroma"}):
+            raise FileNotFoundError(f"{p} is not an index yet: run `pcache-rag ingest PATH... --index {p}` first")
+    elif not create:
+        raise FileNotFoundError(f"no index at {p}: run `pcache-rag ingest PATH... --index {p}` first")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def read_manifest(index_dir: Path, quiet: bool = False) -> dict:
+    """The manifest of the index at ``index_dir`` (``{}`` if none, or unreadable: a warning
+    unless ``quiet``)."""
+    f = index_dir / MANIFEST
+    if not f.exists():
+        return {}
+    try:
+        m = json.loads(f.read_text(encoding="utf-8"))
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ValueError("unknown format")
+        return m
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        if not quiet:
+            log.warning("index manifest %s is unreadable (%s); it is rewritten at the next ingest", f, e)
+        return {}
+
+
+class ManifestWatch:
+    """Tells when any process committed to the index: every commit bumps the manifest's
+    ``generation``. One ``stat`` per call; the file is parsed only when it changed."""
+
+    def __init__(self, index_dir: Path, generation: int) -> None:
+        self.index_dir = index_dir
+        self.generation = generation  # the commit counter this process has seen
+        self._stamp: tuple | None = None  # (mtime, size, inode) of the manifest last read
+
+    def changed(self, force: bool = False) -> dict | None:
+        """The manifest when its generation moved since last seen (or with ``force``), else None."""
+        try:
+            st = (self.index_dir / MANIFEST).stat()
+            stamp: tuple | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp and not force:
+            return None  # the file is as last read: no JSON parse per question
+        self._stamp = stamp
+        m = read_manifest(self.index_dir, quiet=True)
+        gen = int(m.get("generation", 0))
+        if gen == self.generation and not force:
+            return None
+        self.generation = gen
+        return m
+
+
+def write_manifest(index_dir: Path, manifest: dict) -> None:
+    """Replace the manifest atomically (readers see the old file or the new one, never half)."""
+    tmp = index_dir / (MANIFEST + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, index_dir / MANIFEST)
+
+
+def ingest_lock(index_dir: Path):
+    """An exclusive lock on the index for the length of an ingest (other processes wait);
+    returns the held :class:`filelock.FileLock`."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(index_dir / ".ingest.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("another ingest holds %s; waiting for it", index_dir)
+        lock.acquire()
+    return lock
+
+
+def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
+                   conditioning: str | None) -> tuple[int, str]:
+    """``(chunk_tokens, conditioning)`` for an index: what it was built with, or the asked or
+    default ones for a new index; a different one for an index with chunks is refused."""
+    from ..conditioning import parse_conditioning
+
+    built = manifest.get("chunk_tokens")
+    if chunk_tokens is not None and built and manifest.get("chunks") and chunk_tokens != built:
+        raise ValueError(
+            f"the index {index_dir} was built with chunk_tokens={built}; ingest with "
+            f"--chunk-tokens {built}, or use a new index directory for chunk_tokens={chunk_tokens}"
+        )
+    chunk_tokens = int(chunk_tokens or built or 512)
+    # conditioned encoding: the index's own (an index from before it existed: none), or the
+    # default for a new one; another one for an index with chunks is refused
+    had = manifest.get("conditioning", "none" if manifest.get("chunks") else None)
+    if conditioning is not None and had is not None and manifest.get("chunks") and \
+            parse_conditioning(conditioning) != parse_conditioning(had):
+        raise ValueError(f"the index {index_dir} was encoded with conditioning={had!r}; use it, or a new "
+                         f"index directory for conditioning={conditioning!r}")
+    cond = conditioning if conditioning is not None else (had if had is not None else "default")
+    if chunk_tokens < 16:
+        raise ValueError("chunk_tokens must be at least 16")
+    return chunk_tokens, cond

@@ -1,0 +1,43 @@
+"""The RAG prompt contract, in one place: what the model reads around the documents.
+
+``preamble`` (the system prompt and the opening of the user turn, see
+:func:`pcache_rag.assembly.preamble_ids`) + each chunk as :func:`chunk_text` (a ``[file name]``
+header, then its text) + the question as :func:`question_ids`. The pipeline, the connectors
+and the quality eval all build prompts from these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..engine import PromptCache
+
+# Room kept per chunk for its file-name header, and for the question and the answer.
+HEADER_ALLOWANCE = 32
+QUESTION_ALLOWANCE = 128
+
+
+def chunk_text(text: str, source: str | None = None) -> str:
+    """A chunk as the model reads it: a ``[file name]`` header line, then its text. Framework
+    retrievers return this text, so marked documents hit the states encoded at ingest."""
+    return f"[{Path(source or '').name}]\n{text}"
+
+
+def question_ids(pc: PromptCache, question: str) -> list[int]:
+    """The question after the documents, closing the user turn and opening the assistant's.
+    The question is text: control-token strings in it stay characters."""
+    chat = pc.chat
+    return pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
+                             (chat.generation_prompt, True)])
+
+
+def check_fits(preamble_tokens: int, k: int, chunk_tokens: int, max_positions: int) -> None:
+    """Refuse ``k`` chunks of ``chunk_tokens`` that cannot fit ``max_positions`` with a question."""
+    need = preamble_tokens + k * (chunk_tokens + HEADER_ALLOWANCE) + QUESTION_ALLOWANCE
+    if need > max_positions:
+        fit = (max_positions - preamble_tokens - QUESTION_ALLOWANCE) // k - HEADER_ALLOWANCE
+        raise ValueError(
+            f"k={k} chunks of up to {chunk_tokens} tokens need about {need} positions with the "
+            f"question, but the model takes {max_positions}: use chunk_tokens <= {max(fit, 0)} "
+            f"or a smaller k"
+        )
