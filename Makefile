@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo serve test test-slow bench clean
+.PHONY: setup demo serve test lint test-slow bench clean
 
 setup: $(VENV)/.installed
 
@@ -30,8 +30,13 @@ demo: setup
 serve: setup
 	$(BIN)/pcache-rag serve --index $${PCACHE_RAG_HOME:-$$HOME/.cache/pcache-rag}/demo-index
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# ruff (pyflakes, pycodestyle, bugbear, pyupgrade) and mypy, configured in pyproject.toml
+lint: setup
+	$(BIN)/ruff check pcache_rag connectors
+	$(BIN)/mypy
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow

@@ -58,18 +58,18 @@ class ModuleKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def map(self, fn) -> "ModuleKV":
+    def map(self, fn) -> ModuleKV:
         """The same unit (same ``uid``) with ``fn`` applied to every state tensor (a move, a pin)."""
         t = {k: fn(v) for k, v in self.tensors().items()}
         return ModuleKV(t["keys"], t["values"], self.token_ids, self.position_ids, uid=self.uid,
                         k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
 
-    def with_positions(self, position_ids: torch.Tensor) -> "ModuleKV":
+    def with_positions(self, position_ids: torch.Tensor) -> ModuleKV:
         """The same states at other position ids (for encodings whose states carry no position)."""
         return ModuleKV(self.keys, self.values, self.token_ids, position_ids, uid=self.uid, k_scale=self.k_scale,
                         v_scale=self.v_scale)
 
-    def to(self, device=None, dtype=None) -> "ModuleKV":
+    def to(self, device=None, dtype=None) -> ModuleKV:
         """A copy on ``device`` in ``dtype`` (same ``uid`` only if nothing changed);
         ``torch.int8`` quantizes, a float dtype dequantizes."""
         if dtype == torch.int8:
@@ -88,7 +88,7 @@ class ModuleKV:
         return ModuleKV(k, v, self.token_ids, self.position_ids)
 
     @staticmethod
-    def concat(units: "list[ModuleKV]") -> "ModuleKV":
+    def concat(units: list[ModuleKV]) -> ModuleKV:
         """Units one after another along the token axis (float states only), as one context."""
         if any(u.quantized for u in units):
             raise ValueError("concat takes float states: dequantize with .to(dtype=...) first")

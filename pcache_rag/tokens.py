@@ -199,7 +199,7 @@ def _no_first_prepend(node) -> bool:
     return changed
 
 
-_CACHE: "weakref.WeakKeyDictionary[object, SafeTokenizer]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[object, SafeTokenizer] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 
 

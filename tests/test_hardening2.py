@@ -8,7 +8,6 @@ import json
 import os
 import resource
 import socket
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -281,7 +280,7 @@ def test_3_an_attackers_page_in_chromium_cannot_upload_ask_or_rebind(guarded, tm
     try:
         with pw.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, args=[
-                "--no-sandbox", f"--host-resolver-rules=MAP evil.example 127.0.0.1"])
+                "--no-sandbox", "--host-resolver-rules=MAP evil.example 127.0.0.1"])
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{evil.server_address[1]}/")
             page.wait_for_function("document.title.startsWith('done')", timeout=30_000)

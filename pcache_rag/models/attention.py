@@ -92,7 +92,7 @@ class Calibration:
         return f"ape:{self.temperature:g}:{self.scale:g}"
 
     @classmethod
-    def parse(cls, spec: "str | Calibration | None") -> "Calibration | None":
+    def parse(cls, spec: str | Calibration | None) -> Calibration | None:
         if spec is None or isinstance(spec, Calibration):
             return spec
         s = str(spec).strip()
@@ -221,7 +221,7 @@ class AttentionProbe:
         self.scores = w if self.scores is None else self.scores + w
         self.calls += 1
 
-    def __enter__(self) -> "AttentionProbe":
+    def __enter__(self) -> AttentionProbe:
         _probing.probe = self
         return self
 

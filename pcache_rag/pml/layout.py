@@ -98,7 +98,7 @@ class _Tok:
     def __init__(self, tokenizer):
         self.t = safe_tokenizer(tokenizer)
 
-    def __call__(self, text: "str | list[tuple[str, bool]]") -> list[int]:
+    def __call__(self, text: str | list[tuple[str, bool]]) -> list[int]:
         if isinstance(text, str):
             return self.t.text(text)
         return self.t.segments(text)

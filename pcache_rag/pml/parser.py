@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Union as _U
 
 from .errors import PMLError
 
@@ -77,7 +76,7 @@ class Role:
     """``<system>``, ``<user>`` or ``<assistant>``: content in a chat turn."""
 
     role: str
-    body: tuple["Node", ...]
+    body: tuple[Node, ...]
     line: int = 0
     column: int = 0
 
@@ -87,7 +86,7 @@ class Module:
     """``<module name>``: a reusable piece whose attention states are cached."""
 
     name: str
-    body: tuple["Node", ...]
+    body: tuple[Node, ...]
     line: int = 0
     column: int = 0
 
@@ -111,7 +110,7 @@ class Scaffold:
     column: int = 0
 
 
-Node = _U[Text, Param, Role, Module, Union, Scaffold]
+Node = Text | Param | Role | Module | Union | Scaffold
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,7 +132,7 @@ class Import:
     column: int = 0
 
 
-PromptNode = _U[Import, Text, Role]
+PromptNode = Import | Text | Role
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 
 
-def _h() -> "hashlib._Hash":
+def _h() -> Any:  # a hashlib sha256 object (its type has no public name)
     return hashlib.sha256()
 
 

@@ -1,0 +1,186 @@
+"""The package's shape, checked on its source: imports point down (no cycles), no module
+calls another module's private names, and no class grows past ``MAX_CLASS_LINES``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pcache_rag"
+CONNECTORS = [ROOT / "connectors" / "langchain-pcache" / "langchain_pcache",
+              ROOT / "connectors" / "llama-index-llms-pcache" / "llama_index" / "llms" / "pcache"]
+MAX_CLASS_LINES = 400
+#: private names of other libraries that are their documented way in (each with its reason)
+FOREIGN_PRIVATE = {
+    "_attn_implementation",  # transformers: the config field set_attn_implementation() writes
+    "_llm",  # llama_index Settings: reading Settings.llm would resolve (and try to reach) OpenAI
+    "_streaming", "_context_prompt_template", "_system_prompt",  # llama_index base classes: a subclass reads its own inherited state
+    "_scaled_dot_product_flash_attention_for_cpu",  # torch: the CPU flash kernel, the one that returns the log-sum-exp
+    "_identifier_to_system",  # chromadb: its client cache, cleared so a reopened index is read afresh
+    "_sql",  # diskcache: its SQL connection, for the one consistency query it has no API for
+}
+
+
+def _modules(base: Path, prefix: str) -> dict[str, Path]:
+    out = {}
+    for f in sorted(base.rglob("*.py")):
+        rel = f.relative_to(base).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        out[".".join([prefix, *parts])] = f
+    return out
+
+
+MODULES = _modules(PACKAGE, "pcache_rag")
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package modules ``name`` imports (at any depth of the file, outside TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_lines(tree)
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("pcache_rag"):
+                    found.add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("pcache_rag"):
+                continue
+            for a in node.names:  # `from . import x` imports the module x when it is one
+                sub = f"{mod}.{a.name}"
+                found.add(sub if sub in MODULES else mod)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports. A package's ``__init__`` re-exports are
+    edges too, so only edges into the package itself (``from ..engine import X``) count them."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    # a package's __init__ importing its own submodules is how re-exports work: not a cycle
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not (MODULES[name].name == "__init__.py" and m.startswith(name + "."))}
+    assert _cycles(graph) == []
+
+
+def _owned_private_names(tree: ast.AST) -> set[str]:
+    """Private names this file defines: functions, classes, attributes it assigns, arguments."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _private_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    owned = _owned_private_names(tree)
+    bad = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            name = node.attr
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    bad.append(f"{path.name}:{node.lineno} imports {a.name}")
+            continue
+        if name and name.startswith("_") and not name.startswith("__") and name not in owned \
+                and name not in FOREIGN_PRIVATE:
+            bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+@pytest.mark.parametrize("path", [*MODULES.values(), *(f for c in CONNECTORS for f in sorted(c.rglob("*.py")))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_names_of_other_modules(path):
+    """A module may use only the private names it defines itself: the public API is enough."""
+    assert _private_uses(path) == []
+
+
+def test_no_class_is_too_big():
+    big = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    big.append(f"{path.relative_to(ROOT)}:{node.name} has {n} lines")
+    assert big == []
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The checkers find what they look for: a cycle, a foreign private name."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    f = tmp_path / "m.py"
+    f.write_text("def f(pc):\n    return pc._schemas\n\nclass A:\n    def g(self):\n        self._x = 1\n        return self._x\n")
+    assert _private_uses(f) == ["m.py:2 pc._schemas"]
