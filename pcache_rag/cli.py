@@ -41,25 +41,25 @@ def cmd_run(a) -> int:
     return 0
 
 
+#: benchmarks folded into others, and where their numbers are now
+RETIRED_BENCHES = {
+    "store": "`bench store` is retired: `pcache-rag bench all` measures TTFT from every tier (memory, host "
+             "fp16 and int8, disk with a warm and a cold page cache, Redis with --kv-url) against full prefill in "
+             "the same run, and bytes per cached token (docs/benchmarks.md)",
+    "quality": "`bench quality` is retired: `pcache-rag eval quality --modes full,preamble,preamble@int8` answers "
+               "the same questions from fp16 and int8 states beside full prefill, with 95% intervals and a "
+               "paired test (docs/quality.md)",
+}
+
+
 def cmd_bench(a) -> int:
     from .measure.bench import bench_ttft
     from .engine import PromptCache
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
-    if a.what == "store":
-        from .measure.bench import bench_store
-
-        row = bench_store(a.model, tokens=a.tokens, repeats=a.repeats, directory=a.dir, log=log, kv_url=a.kv_url)
-        if a.json:
-            print(json.dumps({"benchmark": "store", **row}, indent=2))
-        return 0
-    if a.what == "quality":
-        from .measure.bench import bench_quality
-
-        row = bench_quality(a.model, facts_in_distractors=not a.plain_distractors, log=log)
-        if a.json:
-            print(json.dumps({"benchmark": "quality", **row}, indent=2))
-        return 0
+    if a.what in RETIRED_BENCHES:
+        print(f"pcache-rag: {RETIRED_BENCHES[a.what]}", file=sys.stderr)
+        return 2
     if a.what == "all":
         from .measure.bench_all import run_all
 
@@ -126,7 +126,7 @@ def cmd_ingest(a) -> int:
         print("pcache-rag: give files or directories to ingest (or --prune / --repair alone)", file=sys.stderr)
         return 2
     # Validate everything cheap before the model loads.
-    from .assembly import parse_conditioning
+    from .frameworks import parse_conditioning
 
     parse_conditioning(a.conditioning)
     check_index_dir(a.index, create=True)
@@ -331,16 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: all (the report: docs/benchmarks.md with plots), ttft (prompt "
                        "lengths), store (tiers), rag (end to end), quality (accuracy)")
-    b.add_argument("what", choices=("all", "ttft", "store", "rag", "quality"))
+    b.add_argument("what", choices=("all", "ttft", "rag", *RETIRED_BENCHES),
+                   help="all: the report; ttft: the length sweep; rag: answers through CachedRAG "
+                        "(store and quality are retired and say where their numbers are)")
     b.add_argument("--quick", action="store_true", help="all: tiny sizes that check the harness in a few minutes")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="all: where the model runs")
     b.add_argument("--out", default="docs", help="all: where benchmarks.md, its plots and JSON go")
     b.add_argument("--k", type=_positive, default=4, help="rag: chunks per question")
-    b.add_argument("--plain-distractors", action="store_true",
-                   help="quality: distractor documents state no competing facts")
-    b.add_argument("--tokens", type=int, default=4096, help="store: prompt length")
-    b.add_argument("--dir", default=None, help="store/rag: working directory (default: a temporary one)")
-    b.add_argument("--kv-url", default=None, metavar="URL", help="store/all: also time the Redis tier at this URL")
+    b.add_argument("--dir", default=None, help="rag: working directory (default: a temporary one)")
+    b.add_argument("--kv-url", default=None, metavar="URL", help="all: also time the Redis tier at this URL")
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)

@@ -93,3 +93,10 @@ def _blank_pdf() -> bytes:
     buf = io.BytesIO()
     w.write(buf)
     return buf.getvalue()
+
+
+@pytest.mark.parametrize("what,replacement", [("store", "pcache-rag bench all"),
+                                              ("quality", "pcache-rag eval quality --modes full,preamble,preamble@int8")])
+def test_retired_benchmarks_say_where_their_numbers_are(what, replacement, capsys):
+    assert main(["bench", what]) == 2
+    assert replacement in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pcache_rag import PromptCache
-from pcache_rag.assembly import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
+from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
 
 pytestmark = pytest.mark.real_model
 

@@ -68,7 +68,7 @@ def test_lookup_scales_to_a_large_corpus():
 
 @pytest.mark.real_model
 def test_an_unmarked_known_document_in_a_system_message_is_read_from_the_cache(smol):
-    from pcache_rag.assembly import Assembler
+    from pcache_rag.frameworks import Assembler
 
     asm = Assembler(smol, conditioning="none")
     doc_a, doc_b = (d * 2 for d in (DOC_A, DOC_B))  # long enough to be worth a module
@@ -91,7 +91,7 @@ def test_an_unmarked_known_document_in_a_system_message_is_read_from_the_cache(s
 
 @pytest.mark.real_model
 def test_a_document_seen_marked_once_is_found_unmarked_later(smol):
-    from pcache_rag.assembly import Assembler, format_documents
+    from pcache_rag.frameworks import Assembler, format_documents
 
     asm = Assembler(smol, conditioning="none")
     doc = "The harbour master logs every arrival in the blue ledger before noon. " * 3

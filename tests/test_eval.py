@@ -154,3 +154,34 @@ def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
     text = md.read_text()
     assert "A note." in text and "## Where the loss comes from" in text and "### Where the loss comes from: cross" in text
     assert text.count("| oracle:fact") == 2  # the main table and the appendix's
+
+
+def test_int8_modes_read_the_same_states_quantized(smol_tok):
+    """``MODE@int8`` reads the documents of ``MODE`` quantized as the int8 store keeps them (the
+    comparison `bench quality` used to make): same prompts, states within int8's rounding,
+    answers in the same batch; full prefill and the rag set refuse it by name."""
+    import pytest
+    import torch
+
+    from helpers import tiny_model
+    from pcache_rag.measure.quality import _Synthetic, encoding_of, run_eval, split_mode, store_of
+
+    assert split_mode("cond:1+epic:16@int8") == ("cond:1+epic:16", None)
+    assert encoding_of("cond:1+epic:16@int8") == "cond:1@int8" and encoding_of("preamble") == "preamble"
+    with pytest.raises(ValueError, match="full prefill keeps no states"):
+        store_of("full@int8")
+    syn = _Synthetic(tiny_model("llama", len(smol_tok), seed=0), smol_tok)
+    q = build_sets(smol_tok, 1, 48, seed=3)["plain"][0]
+    fp, q8 = syn._doc_kv("preamble", q.docs[0]), syn._doc_kv("preamble@int8", q.docs[0])
+    assert q8.quantized and not fp.quantized and q8.nbytes() < fp.nbytes()
+    back = q8.to(dtype=torch.float32)
+    assert torch.equal(back.token_ids, fp.token_ids) and torch.equal(back.position_ids, fp.position_ids)
+    err = (back.values - fp.values.float()).abs().max() / fp.values.float().abs().max()
+    assert 0 < err < 0.05, err  # quantized for real, and close
+    a = syn.request("preamble", q)
+    b = syn.request("preamble@int8", q)
+    assert a[1] == b[1] and [kv.length for _, kv in a[0]] == [kv.length for _, kv in b[0]]
+    outs = syn.answers(("preamble", "preamble@int8"), q, 4)
+    assert len(outs) == 2 and all(o.token_ids for o in outs)
+    with pytest.raises(ValueError, match="preamble@int8.*synthetic sets only"):
+        run_eval(model_path=None, modes=("full", "preamble@int8"), sets=("plain", "rag"), out_dir=None)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from helpers import write_pdf, last_output
-from pcache_rag.assembly import register_engine
+from pcache_rag.frameworks import register_engine
 
 pytestmark = pytest.mark.real_model
 

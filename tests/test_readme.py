@@ -23,7 +23,7 @@ def _framework_block(title: str) -> str:
 
 
 def _my_docs(tmp_path, monkeypatch, smol):
-    from pcache_rag.assembly import register_engine
+    from pcache_rag.frameworks import register_engine
 
     register_engine(smol)  # the default config's engine: the session's model, an in-memory store
     monkeypatch.chdir(tmp_path)

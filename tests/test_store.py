@@ -104,7 +104,7 @@ def test_damaged_entries_are_detected_dropped_and_never_used(tmp_path, damage):
 
 
 def test_an_entry_under_another_key_is_refused(tmp_path):
-    from pcache_rag.store.disk import decode_entry, encode_entry
+    from pcache_rag.store.codec import decode_entry, encode_entry
 
     blob = encode_entry("a", entry(1))
     assert same(decode_entry("a", blob), entry(1))

@@ -60,19 +60,34 @@ OWN_SYSTEM = ("You are a careful archivist. Read the documents below and reply w
 OWN_MODES = ("own-system", "full-own-system")
 ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
 #: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
-#: passages; see :mod:`pcache_rag.assembly`), read from the cache with nothing recomputed
+#: passages; see :mod:`pcache_rag.frameworks`), read from the cache with nothing recomputed
 #: ``cond:corpus`` conditions on one passage drawn from the eval's own filler corpus instead
 #: (synthetic sets only)
 COND_MODES = ("cond:1", "cond:2", "cond:4", "cond:corpus")
 #: where the ``cond:corpus`` passage is drawn from the filler (an offset no question's documents use)
 CORPUS_PASSAGE = 60_000
+#: a cached mode with this suffix reads its documents' states quantized to int8 (KIVI-style, as
+#: ``store_dtype="int8"`` keeps them), against the same mode in fp16 (synthetic sets only)
+INT8 = "@int8"
+
+
+def store_of(mode: str) -> tuple[str, bool]:
+    """``(mode without the store suffix, whether its states are int8)``."""
+    if mode.endswith(INT8):
+        base = mode[: -len(INT8)]
+        if base in ("full", "full-own-system") or base in ORACLE_MODES:
+            raise ValueError(f"eval mode {mode!r}: {INT8} goes with a cached mode (full prefill keeps no states)")
+        return base, True
+    return mode, False
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
     """``(base mode, calibration)`` of a mode: ``ape:T:S`` alone is the preamble encoding with
     calibrated attention (:mod:`pcache_rag.models.attention`), and ``BASE+ape:T:S`` adds it to
     a cached mode without recompute (``cond:1+ape:0.9:0.9``). ``cond:N+POLICY`` is a recompute
-    policy on conditioned states (``cond:1+epic:16``); its base is returned whole."""
+    policy on conditioned states (``cond:1+epic:16``); its base is returned whole. The store
+    suffix (``@int8``) is not part of either."""
+    mode = store_of(mode)[0]
     base, _, cal = mode.partition("+")
     if base.startswith("ape:"):
         base, cal = "preamble", base
@@ -91,11 +106,13 @@ def split_mode(mode: str) -> tuple[str, str | None]:
 
 
 def encoding_of(mode: str) -> str:
-    """The document encoding a mode reads: ``isolated``, ``preamble`` or a ``cond:N``."""
+    """The document encoding a mode reads: ``isolated``, ``preamble`` or a ``cond:N``, with
+    ``@int8`` when its states are quantized."""
+    suffix = INT8 if store_of(mode)[1] else ""
     mode = split_mode(mode)[0].partition("+")[0]
     if mode == "isolated" or mode.startswith("cond:"):
-        return mode
-    return "preamble"
+        return mode + suffix
+    return "preamble" + suffix
 
 
 def _cached_request_policy(mode: str) -> tuple[str, str | None]:
@@ -333,7 +350,7 @@ class _Synthetic:
 
     def __init__(self, model, tok):
         from ..engine import PromptCache
-        from ..assembly import preamble_ids
+        from ..frameworks import preamble_ids
 
         self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]
@@ -348,7 +365,7 @@ class _Synthetic:
         self.corpus_passage = ""  # ``cond:corpus``'s passage (set by run_eval, per split)
 
     def doc_ids(self, doc: str) -> list[int]:
-        from ..assembly import document_ids  # the RAG path's own document tokens
+        from ..frameworks import document_ids  # the RAG path's own document tokens
 
         return document_ids(self.pcs["preamble"], doc)
 
@@ -360,9 +377,14 @@ class _Synthetic:
     def _doc_kv(self, enc: str, doc: str):
         key = (enc, doc)
         kv = self.cache.get(key)
+        if kv is None and enc.endswith(INT8):  # the same states, quantized as the int8 store keeps them
+            import torch
+
+            kv = self.cache[key] = self._doc_kv(enc[: -len(INT8)], doc).to(dtype=torch.int8)
+            return kv
         t0 = time.perf_counter()
         if kv is None and enc.startswith("cond:"):
-            from ..assembly import Assembler
+            from ..frameworks import Assembler
 
             asm = self.asms.get(enc)
             if asm is None:
@@ -583,7 +605,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             Recompute.parse(base.partition("+")[2])
         elif base not in ("full", "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
             Recompute.parse(base)
-    synthetic_only = sorted(m for m in modes if m in OWN_MODES + ORACLE_MODES or encoding_of(m) == "cond:corpus")
+    synthetic_only = sorted(m for m in modes if m in OWN_MODES + ORACLE_MODES or encoding_of(m).startswith("cond:corpus")
+                            or store_of(m)[1])
     if "rag" in sets and synthetic_only:
         raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
     _split(split)
@@ -599,7 +622,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
     syn = _Synthetic(model, tok)
-    if any(encoding_of(m) == "cond:corpus" for m in modes):  # tokenizing the filler again costs seconds
+    if any(encoding_of(m).startswith("cond:corpus") for m in modes):  # tokenizing the filler again costs seconds
         syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
     for set_name in sets:

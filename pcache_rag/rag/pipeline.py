@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Callable
+from typing import Literal
 
-from ..assembly import DEFAULT_SYSTEM, Assembler
+from ..frameworks import DEFAULT_SYSTEM, Assembler
 from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
 from ..kv import ModuleKV
@@ -57,6 +58,9 @@ __all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "VerifyRepo
 
 log = logging.getLogger(__name__)
 
+#: ``eager``: encode chunks at ingest; ``lazy``: index them now, encode each on first use
+EncodeMode = Literal["eager", "lazy"]
+
 class CachedRAG:
     """Ingest documents into chroma + the KV store, and answer questions from cached states.
 
@@ -68,7 +72,7 @@ class CachedRAG:
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
     machines share: states encoded by one are read by the others. ``conditioning``
     (``"neutral"``, ``"neutral:2"``) encodes every chunk after neutral passages as well as
-    the preamble (see :mod:`pcache_rag.assembly`); an index keeps the one it was built with.
+    the preamble (see :mod:`pcache_rag.frameworks`); an index keeps the one it was built with.
     ``retrieval``: ``"hybrid"`` fuses BM25 with the dense ranking (:mod:`pcache_rag.rag.lexical`),
     ``"dense"`` is MiniLM alone. ``calibration``: calibrated attention for answers: ``"auto"``
     (the index's own, chosen by ``pcache-rag calibrate`` for this model; none if it has none),
@@ -216,7 +220,8 @@ class CachedRAG:
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, paths, progress: bool = True, encode: str = "eager", prune: bool = False,
+    def ingest(self, paths: Sequence[str | Path], progress: bool = True, encode: EncodeMode = "eager",
+               prune: bool = False,
                repair: bool = True, on_progress: Callable[[str, int, int], None] | None = None) -> IngestReport:
         """Index files (or directories of them).
 

@@ -1,7 +1,7 @@
 """The RAG prompt contract, in one place: what the model reads around the documents.
 
 ``preamble`` (the system prompt and the opening of the user turn, see
-:func:`pcache_rag.assembly.preamble_ids`) + each chunk as :func:`chunk_text` (a ``[file name]``
+:func:`pcache_rag.frameworks.preamble_ids`) + each chunk as :func:`chunk_text` (a ``[file name]``
 header, then its text) + the question as :func:`question_ids`. The pipeline, the connectors
 and the quality eval all build prompts from these.
 """

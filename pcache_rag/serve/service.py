@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -288,7 +289,7 @@ class AnswerService:
         if self.ingest_state.running:
             raise RequestError(_INGESTING, 409, retry_after=5)
 
-    def ingest(self, paths: list[str | Path], label: list[str] | None = None) -> None:
+    def ingest(self, paths: Sequence[str | Path], label: list[str] | None = None) -> None:
         """Start ingesting ``paths`` in the background; :class:`RequestError` (409) if an
         ingestion is already running."""
         if not self._ingest_lock.acquire(blocking=False):

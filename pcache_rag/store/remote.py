@@ -2,7 +2,7 @@
 
 Several answering processes, on one machine or many, point at one server: what one
 encodes, the others read. Entries are the disk tier's exact bytes (``sha256 || safetensors``,
-see :func:`~pcache_rag.store.disk.encode_entry`), so a damaged value is detected the same
+see :func:`~pcache_rag.store.codec.encode_entry`), so a damaged value is detected the same
 way, dropped, and re-encoded by the engine. Keys are the store's fingerprints under a
 prefix, so two models can share a server without ever reading each other's states.
 
@@ -34,7 +34,7 @@ import time
 
 from ..kv import ModuleKV
 from .base import KVStore, TierStats
-from .disk import decode_entry, encode_entry
+from .codec import decode_entry, encode_entry
 
 log = logging.getLogger(__name__)
 _HEADER = "pcache-remote-1"

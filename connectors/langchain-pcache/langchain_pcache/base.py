@@ -15,7 +15,7 @@
 * :func:`build_qa_chain` - retrieval chain over an index: ``{"input", "context", "answer"}``.
 
 Every class is built from plain config (model path, states folder or index folder) and
-shares one engine per config in the process (:func:`pcache_rag.assembly.shared_engine`).
+shares one engine per config in the process (:func:`pcache_rag.frameworks.shared_engine`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
+from pcache_rag.frameworks import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
                                  sampling, shared_engine)
 from pcache_rag.recompute import Recompute
 

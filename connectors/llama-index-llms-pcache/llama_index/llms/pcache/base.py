@@ -1,7 +1,7 @@
 """LlamaIndex classes over pcache-rag's public API.
 
 * :class:`PromptCacheLLM` - an LLM whose ``chat`` goes through the model's own chat
-  template; documents marked in a prompt (:func:`pcache_rag.assembly.format_documents`)
+  template; documents marked in a prompt (:func:`pcache_rag.frameworks.format_documents`)
   are read from cached states. Sync, streaming and async (async runs off the event loop).
   Every response carries ``ttft_s``, ``cached_tokens`` and ``computed_tokens`` in
   ``additional_kwargs``.
@@ -46,7 +46,7 @@ from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithS
                                      TransformComponent)
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from pcache_rag.assembly import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
+from pcache_rag.frameworks import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
                                  sampling, shared_engine)
 from pcache_rag.recompute import Recompute
 

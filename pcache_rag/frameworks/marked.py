@@ -48,18 +48,17 @@ exactly as marked ones are. Marks stay an explicit override.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Literal
 
-from .engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
-from .kv import ModuleKV
-from .pml import bos_ids
-from .conditioning import NEUTRAL_PASSAGES, neutral_text, parse_conditioning, passage_spec  # noqa: F401 - re-exported
-from .store import unit_key
+from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
+from ..kv import ModuleKV
+from ..pml import bos_ids
+from ..conditioning import neutral_text, parse_conditioning, passage_spec
+from ..store import unit_key
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +136,16 @@ def split_marked(text: str) -> list[tuple[str, bool]]:
     return [(t, d) for t, d in out if t]
 
 
+#: ``cut``: the end of a cacheable prefix without documents
+SegmentKind = Literal["markup", "text", "document", "cut"]
+
+
 @dataclass(slots=True)
 class Segment:
     """A piece of a prompt: chat ``markup`` (may hold control tokens), ``text``, or a ``document``."""
 
     text: str
-    kind: str  # "markup" | "text" | "document" | "cut" (end of a cacheable prefix without documents)
+    kind: SegmentKind
 
 
 @dataclass(slots=True)
@@ -213,8 +216,8 @@ class Assembler:
                 raise ValueError("conditioned encoding extends the preamble context: it needs encoding='preamble'")
             if pc.adapter.family == "learned":
                 raise ValueError(f"conditioned encoding needs states that can move (RoPE or ALiBi); "
-                                 f"{pc.model.config.model_type}'s learned positions cannot")
-            text = neutral_text(n) if n > 0 else conditioning_text.strip() + DOC_SEPARATOR
+                                 f"{pc.model_type}'s learned positions cannot")
+            text = neutral_text(n) if n > 0 else str(conditioning_text).strip() + DOC_SEPARATOR
             self.cond_ids = pc.safe.text(text)
             P = len(self.base_ids)
             self.ctx_key = unit_key(pc.fingerprint, self.cond_ids, range(P, P + len(self.cond_ids)), self.base_key,
@@ -422,7 +425,7 @@ class Assembler:
             warnings.warn(
                 "a prompt held no marked document and no known one (ingested, retrieved by a pcache retriever, "
                 "encoded before by Assembler.ensure or a connector's encoder), so only its prefix came from the "
-                "cache: ingest or encode the documents first, or mark them with pcache_rag.assembly.format_documents "
+                "cache: ingest or encode the documents first, or mark them with pcache_rag.frameworks.format_documents "
                 "(LangChain: format_docs; LlamaIndex: PromptCacheSynthesizer)",
                 PCacheFallbackWarning, stacklevel=4,
             )
@@ -491,55 +494,6 @@ def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, 
             "top_p": float(top_p), "seed": seed, "stop": list(stop or [])}
 
 
-_ENGINES: dict[tuple[str, str], PromptCache] = {}
-_ASSEMBLERS: dict[tuple[int, str], Assembler] = {}
-_REG_LOCK = threading.Lock()
-
-
-def default_states_dir() -> Path:
-    """Where framework components keep document states by default (``$PCACHE_RAG_HOME/states``).
-    Keys carry the model's fingerprint, so several models share the folder safely."""
-    from .default_model import cache_home
-
-    return cache_home() / "states"
-
-
-def shared_engine(model: str | None = None, cache_dir: str | None = None) -> PromptCache:
-    """One :class:`PromptCache` per ``(model, cache_dir)`` in this process, loaded on first use.
-    Framework classes are built from this plain config (so they serialize), and every class
-    with the same config shares one engine and one store."""
-    key = _engine_key(model, cache_dir)
-    with _REG_LOCK:
-        pc = _ENGINES.get(key)
-        if pc is None:
-            pc = _ENGINES[key] = PromptCache.from_pretrained(None if key[0] == "default" else key[0],
-                                                             cache_dir=key[1])
-        return pc
-
-
-def register_engine(pc: PromptCache, model: str | None = None, cache_dir: str | None = None) -> None:
-    """Make ``pc`` the engine that :func:`shared_engine` returns for this config (an engine
-    built in code, e.g. with its own store, used by config-built framework classes)."""
-    with _REG_LOCK:
-        _ENGINES[_engine_key(model, cache_dir)] = pc
-
-
-def _engine_key(model, cache_dir) -> tuple[str, str]:
-    from .default_model import DEFAULT_NAME
-
-    name = "default" if model in (None, "", "default", DEFAULT_NAME) else str(Path(str(model)).expanduser())
-    return name, str(Path(cache_dir or default_states_dir()).expanduser())
-
-
-def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM) -> Assembler:
-    """The :class:`Assembler` of ``pc`` for documents encoded against ``system_prompt`` (memoized)."""
-    with _REG_LOCK:
-        a = _ASSEMBLERS.get((id(pc), system_prompt))
-        if a is None or a.pc is not pc:
-            a = _ASSEMBLERS[(id(pc), system_prompt)] = Assembler(pc, system_prompt)
-        return a
-
-
 def document_ids(pc: PromptCache, text: str) -> list[int]:
     """A document's token ids as every prompt path reads it (the RAG pipeline, the connectors,
     the quality eval): its text without marks or surrounding whitespace, then one blank line
@@ -557,5 +511,6 @@ def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
     ])
 
 
-__all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine", "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput", "PCacheFallbackWarning", "mark_document", "format_documents",
-           "split_marked", "unmark", "DOC_OPEN", "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids"]
+__all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "Segment", "CachedOutput",
+           "PCacheFallbackWarning", "mark_document", "format_documents", "split_marked", "unmark", "DOC_OPEN",
+           "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids", "document_ids"]
