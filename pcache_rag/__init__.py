@@ -6,31 +6,42 @@ tokens. See README.md for the two commands that run everything, and docs/layout.
 for where each part lives.
 
 What users import: :class:`PromptCache` (the engine), :class:`CachedRAG` (documents in,
-answers out; loaded on first use, since it brings chromadb), :class:`Recompute`,
-:class:`SamplingParams`, :func:`escape`, and the errors.
+answers out), :class:`Recompute`, :class:`SamplingParams`, :func:`escape`, and the errors.
+Each loads on first use (torch, transformers and chromadb are not imported by
+``import pcache_rag``), so a connector imports in the time its framework takes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engine import ContextOverflowError, Generation, GenerationOutput, PrefillResult, PromptCache, SamplingParams
-from .models import UnsupportedModelError
-from .pml import PMLError, escape
-from .recompute import Recompute
-
 if TYPE_CHECKING:
+    from .engine import ContextOverflowError, Generation, GenerationOutput, PrefillResult, PromptCache, SamplingParams
+    from .models import UnsupportedModelError
+    from .pml import PMLError, escape
     from .rag import CachedRAG, IngestTooLargeError
+    from .recompute import Recompute
 
 __version__ = "0.1.0"
+
+_LAZY = {"PromptCache": "engine", "SamplingParams": "engine", "Generation": "engine", "GenerationOutput": "engine",
+         "PrefillResult": "engine", "ContextOverflowError": "engine", "UnsupportedModelError": "models",
+         "PMLError": "pml", "escape": "pml", "Recompute": "recompute", "CachedRAG": "rag",
+         "IngestTooLargeError": "rag"}
+
 __all__ = ["PromptCache", "CachedRAG", "Recompute", "SamplingParams", "Generation", "GenerationOutput",
            "PrefillResult", "escape", "PMLError", "UnsupportedModelError", "ContextOverflowError",
            "IngestTooLargeError"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("CachedRAG", "IngestTooLargeError"):  # RAG brings chromadb: imported on first use
-        from . import rag
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'pcache_rag' has no attribute {name!r}")
+    import importlib
 
-        return getattr(rag, name)
-    raise AttributeError(f"module 'pcache_rag' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{mod}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,31 +1,52 @@
 """The cache inside other frameworks' pipelines: prompts with marked or discovered documents
 (:mod:`.marked`) and the engines framework components share (:mod:`.registry`). Built on the
-engine's public API only; the LlamaIndex and LangChain connectors import from here."""
+engine's public API only; the LlamaIndex and LangChain connectors import from here.
+
+The marks and segments (:mod:`.marks`) need no model and load at once; the rest loads torch
+and the engine on first use, so importing a connector costs what its framework costs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ..conditioning import neutral_text, parse_conditioning
-from .marked import (
+from .marks import (
     DEFAULT_CONDITIONING,
     DEFAULT_SYSTEM,
     DOC_CLOSE,
     DOC_OPEN,
     DOC_SEPARATOR,
     MIN_CONDITIONED_TOKENS,
-    Assembler,
-    CachedOutput,
     PCacheFallbackWarning,
     Segment,
-    document_ids,
+    SegmentKind,
     format_documents,
     mark_document,
-    preamble_ids,
     sampling,
     split_marked,
     unmark,
 )
-from .registry import assembler_for, default_states_dir, register_engine, shared_engine
+
+if TYPE_CHECKING:
+    from .marked import Assembler, CachedOutput, default_conditioning, document_ids, preamble_ids
+    from .registry import assembler_for, default_states_dir, register_engine, shared_engine
+
+_LAZY = {"Assembler": "marked", "CachedOutput": "marked", "default_conditioning": "marked",
+         "document_ids": "marked", "preamble_ids": "marked", "assembler_for": "registry",
+         "default_states_dir": "registry", "register_engine": "registry", "shared_engine": "registry"}
 
 __all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine",
-           "register_engine", "assembler_for", "default_states_dir", "Segment", "CachedOutput",
+           "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "CachedOutput",
            "PCacheFallbackWarning", "mark_document", "format_documents", "split_marked", "unmark", "DOC_OPEN",
-           "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "neutral_text",
-           "parse_conditioning"]
+           "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "default_conditioning",
+           "neutral_text", "parse_conditioning"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'pcache_rag.frameworks' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{mod}", __name__), name)

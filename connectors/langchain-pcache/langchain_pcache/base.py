@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import BaseDocumentTransformer, Document
@@ -39,9 +39,13 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from pcache_rag.frameworks import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
-                                 sampling, shared_engine)
-from pcache_rag.recompute import Recompute
+# Only the model-free part of pcache-rag loads with the connector: the engine (torch,
+# transformers) loads when the first model is built, so importing this costs what the
+# framework costs.
+from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+
+if TYPE_CHECKING:
+    from pcache_rag.frameworks import Assembler, CachedOutput
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -101,6 +105,8 @@ class _EngineConfig:
     def _asm(self) -> Assembler:
         if self._assembler is None:
             model, cache_dir = self._engine_key()
+            from pcache_rag.frameworks import assembler_for, shared_engine
+
             self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble)
         return self._assembler
 
@@ -176,10 +182,12 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     api_key: str | None = None
     #: ``invoke`` streams underneath (LangChain's ``streaming`` convention; callbacks see tokens)
     streaming: bool = False
-    _assembler: Assembler | None = PrivateAttr(default=None)
+    _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
         if self.recompute is not None:
+            from pcache_rag.recompute import Recompute
+
             Recompute.parse(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -231,7 +239,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         for item in self._run(messages, stop, kwargs):
-            if isinstance(item, CachedOutput):
+            if not isinstance(item, str):
                 chunk = ChatGenerationChunk(message=AIMessageChunk(
                     content="", usage_metadata=_usage(item), response_metadata=self._meta(item),
                     chunk_position="last"))
@@ -245,7 +253,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         out = None
         for item in self._run(messages, stop, kwargs):
-            if isinstance(item, CachedOutput):
+            if not isinstance(item, str):
                 out = item
             elif run_manager:
                 run_manager.on_llm_new_token(item)
@@ -281,7 +289,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     stop: list[str] | None = None
     recompute: str | None = None
     document_preamble: str = DEFAULT_SYSTEM
-    _assembler: Assembler | None = PrivateAttr(default=None)
+    _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     @property
     def _llm_type(self) -> str:
@@ -301,7 +309,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
         for item in asm.stream(asm.text_segments(prompt), recompute=recompute, **gen):
-            if isinstance(item, CachedOutput):
+            if not isinstance(item, str):
                 yield GenerationChunk(text="", generation_info=item.stats())
                 continue
             chunk = GenerationChunk(text=item)
@@ -368,6 +376,9 @@ class PromptCacheRetriever(BaseRetriever):
     def rag(self):
         if self._rag is None:
             from pcache_rag.rag import CachedRAG
+
+            from pcache_rag.frameworks import shared_engine
+
 
             pc = shared_engine(self.model, str(Path(self.index_dir).expanduser() / "kv"))
             self._rag = CachedRAG(self.index_dir, pc=pc, k=self.k, create=False)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -46,9 +46,13 @@ from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithS
                                      TransformComponent)
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from pcache_rag.frameworks import (DEFAULT_SYSTEM, Assembler, CachedOutput, assembler_for, format_documents,
-                                 sampling, shared_engine)
-from pcache_rag.recompute import Recompute
+# Only the model-free part of pcache-rag loads with the connector: the engine (torch,
+# transformers) loads when the first model is built, so importing this costs what the
+# framework costs.
+from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+
+if TYPE_CHECKING:
+    from pcache_rag.frameworks import Assembler, CachedOutput
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KEY = "pcache_kv_key"
@@ -89,11 +93,13 @@ class PromptCacheLLM(CustomLLM):
     stop: list[str] | None = None
     recompute: str | None = Field(default=None, description="quality recovery policy, e.g. 'epic:16'")
     document_preamble: str = DEFAULT_SYSTEM
-    _assembler: Assembler | None = PrivateAttr(default=None)
+    _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
         if self.recompute is not None:
+            from pcache_rag.recompute import Recompute
+
             Recompute.parse(self.recompute)
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
@@ -105,6 +111,8 @@ class PromptCacheLLM(CustomLLM):
     @property
     def assembler(self) -> Assembler:
         if self._assembler is None:
+            from pcache_rag.frameworks import assembler_for, shared_engine
+
             self._assembler = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
                                             self.document_preamble)
         return self._assembler
@@ -151,7 +159,7 @@ class PromptCacheLLM(CustomLLM):
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = ""
         for item in self._iter(self._prompt_segments(prompt, formatted), kwargs):
-            if isinstance(item, CachedOutput):
+            if not isinstance(item, str):
                 yield CompletionResponse(text=text, delta="", additional_kwargs=item.stats(), raw=item.stats())
             else:
                 text += item
@@ -160,7 +168,7 @@ class PromptCacheLLM(CustomLLM):
     def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
         text = ""
         for item in self._iter(self._segments(messages), kwargs):
-            if isinstance(item, CachedOutput):
+            if not isinstance(item, str):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
                                    additional_kwargs=item.stats(), raw=item.stats())
             else:
@@ -235,6 +243,8 @@ class PromptCacheEncoder(TransformComponent):
         return "PromptCacheEncoder"
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[BaseNode]:
+        from pcache_rag.frameworks import assembler_for, shared_engine
+
         asm = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
                             self.document_preamble)
         for n in nodes:  # the key stays out of the text the LLM reads, so the key never changes it
@@ -362,6 +372,9 @@ class PromptCacheRetriever(BaseRetriever):
     def rag(self):
         if self._rag is None:
             from pcache_rag.rag import CachedRAG
+
+            from pcache_rag.frameworks import shared_engine
+
 
             pc = shared_engine(*_engine_key(self.model, self.index_dir, None))
             self._rag = CachedRAG(self.index_dir, pc=pc, k=self.similarity_top_k, create=False)

@@ -1,0 +1,93 @@
+"""Document marks and prompt segments: the part of :mod:`pcache_rag.frameworks` that needs
+no model (standard library only), so a connector imports in the time its framework takes.
+
+:func:`mark_document` wraps a document's text in two private-use characters (U+E000 ...
+U+E001) that survive every prompt template unchanged; :func:`split_marked` finds them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+DOC_OPEN = "\ue000"
+DOC_CLOSE = "\ue001"
+#: what :func:`format_documents` puts between documents (and what ingest encodes after each)
+DOC_SEPARATOR = "\n\n"
+ROLES = ("system", "user", "assistant")
+
+DEFAULT_SYSTEM = (
+    "You are a helpful assistant. Answer the question using only the documents provided. "
+    "If they do not contain the answer, say you do not know."
+)
+
+
+#: the conditioning of RAG documents (CachedRAG's new indexes, the connectors' content-addressed
+#: documents) where the engine allows it; PML schemas keep the paper's semantics
+DEFAULT_CONDITIONING = "neutral"
+#: documents shorter than this are encoded without conditioning: the passage (~390 tokens)
+#: outweighs a document of a few words (README, "Conditioned encoding")
+MIN_CONDITIONED_TOKENS = 64
+
+
+class PCacheFallbackWarning(UserWarning):
+    """A prompt was answered by full prefill because it carries no cached documents."""
+
+
+def unmark(text: str) -> str:
+    """``text`` without document marks."""
+    return text.replace(DOC_OPEN, "").replace(DOC_CLOSE, "")
+
+
+def mark_document(text: str) -> str:
+    """Wrap one document's text so that :class:`Assembler` reads it as a cached module."""
+    return DOC_OPEN + unmark(text) + DOC_CLOSE
+
+
+def format_documents(texts: Iterable[str], separator: str = DOC_SEPARATOR) -> str:
+    """Marked documents joined by ``separator``: the ``{context}`` of a RAG prompt."""
+    return separator.join(mark_document(t) for t in texts)
+
+
+def split_marked(text: str) -> list[tuple[str, bool]]:
+    """``text`` as ``(piece, is_document)`` pieces. Marks that do not pair up are dropped
+    (their text stays plain text)."""
+    out: list[tuple[str, bool]] = []
+    rest = text
+    while rest:
+        i = rest.find(DOC_OPEN)
+        j = rest.find(DOC_CLOSE, i + 1) if i >= 0 else -1
+        if i < 0 or j < 0:
+            out.append((unmark(rest), False))
+            break
+        if i:
+            out.append((unmark(rest[:i]), False))
+        doc = rest[i + 1 : j]
+        if DOC_OPEN in doc:  # an unpaired opening: the text up to the last one is plain
+            k = doc.rfind(DOC_OPEN)
+            out.append((unmark(doc[:k]), False))
+            doc = doc[k + 1 :]
+        out.append((doc, True))
+        rest = rest[j + 1 :]
+    return [(t, d) for t, d in out if t]
+
+
+#: ``cut``: the end of a cacheable prefix without documents
+SegmentKind = Literal["markup", "text", "document", "cut"]
+
+
+@dataclass(slots=True)
+class Segment:
+    """A piece of a prompt: chat ``markup`` (may hold control tokens), ``text``, or a ``document``."""
+
+    text: str
+    kind: SegmentKind
+
+
+def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+             stop=None) -> dict:
+    """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy."""
+    t = float(temperature)
+    return {"max_new_tokens": int(max_new_tokens), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
+            "top_p": float(top_p), "seed": seed, "stop": list(stop or [])}
