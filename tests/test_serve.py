@@ -137,6 +137,84 @@ def test_langchain_chatopenai_and_llamaindex_openailike(served):
     assert li.complete(q).text == direct
 
 
+def _chunk_as_read(rag, name: str) -> str:
+    """An ingested chunk's text exactly as the model reads it (header line and all)."""
+    cid, meta = next((c, m) for c, m in rag.index.chunks() if m["source"].endswith(name))
+    doc, meta = rag.index.get([cid])[cid]
+    return rag.chunk_text(doc, meta["source"])
+
+
+def test_plain_model_reads_every_message_and_finds_known_documents(served):
+    """The -plain model answers the messages as sent (system, earlier turns, no retrieval), and
+    an ingested chunk pasted into a system message is read from the cache."""
+    from openai import OpenAI
+
+    srv, service, rag = served
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    ids = [m.id for m in client.models.list()]
+    assert "pcache-rag-plain" in ids and service.model_id + "-plain" in ids and "pcache-rag" in ids
+    doc = _chunk_as_read(rag, "ferry.md")
+    msgs = [{"role": "system", "content": "Answer from this document.\n\n" + doc},
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! Ask me."},
+            {"role": "user", "content": "When does the ferry leave?"}]
+    r = client.chat.completions.create(model="pcache-rag-plain", messages=msgs, temperature=0, max_tokens=16)
+    extra = r.model_extra["pcache"]
+    assert extra["sources"] == [] and extra["documents"] == 1, "the pasted chunk was found, no retrieval ran"
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(rag.asm.doc_ids(doc))
+    assert r.choices[0].message.content.strip()
+    # every message is in the prompt: the same turns in-process, through the same Assembler
+    want = rag.asm.generate(rag.asm.message_segments([(m["role"], m["content"]) for m in msgs]),
+                            max_new_tokens=16)
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
+    # without the document, nothing is known: computed in full, and said so by the numbers
+    bare = client.chat.completions.create(model="pcache-rag-plain", temperature=0, max_tokens=4,
+                                          messages=[{"role": "user", "content": "Say hi."}])
+    assert bare.model_extra["pcache"]["documents"] == 0
+    assert bare.model_extra["pcache"]["cached_tokens"] < bare.usage.prompt_tokens
+
+
+def test_text_completions_on_both_models(served):
+    """/v1/completions: the plain model reads the prompt as text (known documents from the
+    cache), the RAG model takes it as the question; LlamaIndex's OpenAILike works without
+    is_chat_model; streaming gives the same text."""
+    from llama_index.llms.openai_like import OpenAILike
+    from openai import OpenAI
+
+    srv, _service, rag = served
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    prompt = "Context:\n" + _chunk_as_read(rag, "gates.md") + "\nQuestion: What is the code?\nAnswer:"
+    r = client.completions.create(model="pcache-rag-plain", prompt=prompt, temperature=0, max_tokens=12)
+    assert r.object == "text_completion" and r.choices[0].text.strip()
+    assert r.model_extra["pcache"]["documents"] == 1 and r.model_extra["pcache"]["sources"] == []
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    parts = [c.choices[0].text for c in client.completions.create(
+        model="pcache-rag-plain", prompt=prompt, temperature=0, max_tokens=12, stream=True) if c.choices]
+    assert "".join(parts) == r.choices[0].text
+    q = QUESTIONS[0]
+    rag_r = client.completions.create(model="pcache-rag", prompt=q, temperature=0, max_tokens=24)
+    assert rag_r.choices[0].text == rag.answer(q, max_new_tokens=24).text
+    assert rag_r.model_extra["pcache"]["sources"][0]["document"] == "gates.md"
+    li = OpenAILike(api_base=f"{srv.url}/v1", api_key="unused", model="pcache-rag", temperature=0, max_tokens=24,
+                    context_window=8192)  # is_chat_model left False: it posts to /v1/completions
+    assert li.complete(q).text == rag_r.choices[0].text
+
+
+def test_errors_carry_openai_param_and_code(served):
+    srv, _service, _rag = served
+    u = srv.url + "/v1"
+    r = httpx.post(u + "/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(u + "/completions", json={"model": "pcache-rag-plain", "prompt": "x", "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    r = httpx.post(u + "/completions", json={"model": "pcache-rag", "prompt": "x", "temperature": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(u + "/chat/completions", json={"model": "pcache-rag-plain", "messages": [
+        {"role": "tool", "content": "x"}, {"role": "user", "content": "y"}]})
+    assert r.status_code == 400 and "role 'tool'" in r.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------------- the page's API
 
 

@@ -180,3 +180,22 @@ def answer_settings(gen: dict, recompute: str | None, calibration: str | None) -
         calibration = None
     gen["calibration"] = calibration
     return gen
+
+
+def calibrate_index(rag, n: int = 24, k: int | None = None, progress: bool = True, save: bool = True,
+                    grid=None) -> CalibrationReport:
+    """:func:`calibrate` on ``rag``'s index; with ``save`` the choice goes into its manifest
+    (under the ingest lock), where every process serving the index sees it."""
+    from .index_dir import ingest_lock, read_manifest
+
+    rag.refresh()
+    rep = calibrate(rag, n=n, k=k, progress=progress, grid=DEFAULT_GRID if grid is None else grid)
+    if save:
+        lock = ingest_lock(rag.index_dir)
+        try:
+            rag.manifest = dict(read_manifest(rag.index_dir, quiet=True) or rag.manifest)
+            rag.manifest["calibration"] = rep.manifest_entry()
+            rag.commit()
+        finally:
+            lock.release()
+    return rep

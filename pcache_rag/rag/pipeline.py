@@ -118,6 +118,7 @@ class CachedRAG:
         self._refresh_lock = threading.RLock()
         self._ingesting = 0  # ingests running in this process (their commits are our own)
         self._bm25 = BM25Index()
+        self._known_generation: tuple | None = None  # the index version know_indexed() last read
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
         self.asm = Assembler(self.pc, system_prompt, conditioning=cond)
@@ -324,19 +325,9 @@ class CachedRAG:
         """Choose calibrated attention for this index and model without labels
         (:func:`pcache_rag.rag.calibrate.calibrate`) and, with ``save``, keep the choice in the
         manifest, where every process serving the index sees it at its next question."""
-        from .calibrate import DEFAULT_GRID, calibrate
+        from .calibrate import calibrate_index
 
-        self.refresh()
-        rep = calibrate(self, n=n, k=k, progress=progress, grid=DEFAULT_GRID if grid is None else grid)
-        if save:
-            lock = ingest_lock(self.index_dir)
-            try:
-                self.manifest = dict(read_manifest(self.index_dir, quiet=True) or self.manifest)
-                self.manifest["calibration"] = rep.manifest_entry()
-                self.commit()
-            finally:
-                lock.release()
-        return rep
+        return calibrate_index(self, n, k, progress, save, grid)
 
     def _answer_gen(self, gen: dict) -> dict:
         """``gen`` with this index's recompute policy and calibration."""
@@ -386,6 +377,19 @@ class CachedRAG:
                 f"takes {self.pc.max_positions}: shorten the question or retrieve fewer chunks"
             )
         return q
+
+    def know_indexed(self) -> int:
+        """Make every indexed chunk a known document of the engine, so prompts that paste chunks
+        in without marks read them from the cache (:mod:`pcache_rag.discovery`). Once per
+        index generation; returns how many texts were added."""
+        self.refresh()
+        if self._known_generation == (self.generation, id(self._index)):
+            return 0
+        sources = {cid: m["source"] for cid, m in self.index.chunks()}
+        texts = [self.chunk_text(t, sources[cid]) for cid, t in self.index.texts() if cid in sources and t]
+        self.pc.known_texts.add(texts)
+        self._known_generation = (self.generation, id(self._index))
+        return len(texts)
 
     def question_ids(self, question: str) -> list[int]:
         return question_ids(self.pc, question)

@@ -71,7 +71,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
 
     @app.exception_handler(RequestError)
     async def _request_error(_req, e: RequestError):
-        return error(e.status, str(e), retry_after=e.retry_after)
+        return error(e.status, str(e), retry_after=e.retry_after, code=e.code, param=e.param)
 
     @app.exception_handler(Busy)
     async def _busy(_req, e: Busy):

@@ -1,18 +1,24 @@
-"""The OpenAI-compatible API: ``GET /v1/models`` and ``POST /v1/chat/completions``.
+"""The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/completions``.
 
-The last user message is the question; retrieval runs over the server's index and the
-answer comes from the chunks' cached states. Stock clients work unchanged with
-``base_url="http://127.0.0.1:8000/v1"`` (the ``openai`` package, LangChain's
-``ChatOpenAI``, LlamaIndex's ``OpenAILike``). Each response carries an extra ``pcache``
-field (sources, time-to-first-token, cached and computed tokens, notes) that standard
-clients ignore, and ``usage.prompt_tokens_details.cached_tokens`` says how much of the
-prompt was read from the cache.
+Two models are served. The **RAG model** (the model's name, or ``pcache-rag``): the last
+user message (or the completion's prompt) is the question; retrieval runs over the server's
+index and the answer comes from the chunks' cached states. The **plain model**
+(``<name>-plain``, or ``pcache-rag-plain``): the messages exactly as sent, every role and
+every earlier turn (or the prompt as text), with no retrieval; documents the server knows
+(its ingested chunks, documents seen before) are found in them and read from the cache.
+Stock clients work unchanged with ``base_url="http://127.0.0.1:8000/v1"`` (the ``openai``
+package, LangChain's ``ChatOpenAI``, LlamaIndex's ``OpenAILike``, chat or not). Each response
+carries an extra ``pcache`` field (sources, time-to-first-token, cached and computed tokens,
+notes) that standard clients ignore, and ``usage.prompt_tokens_details.cached_tokens`` says
+how much of the prompt was read from the cache. Errors carry OpenAI's ``param`` and ``code``.
 
 Differences from OpenAI, each refused or reported by name, never silent: ``temperature``
 defaults to 0 (greedy: answers from documents should not vary); ``n`` must be 1; tools,
-response formats, logprobs, logit bias and non-zero penalties are refused (400); earlier
-messages (including system messages) are not used, and ``pcache.notes`` says so; ``k``
-(chunks to retrieve) may be passed in the body (``extra_body`` in the clients).
+response formats, logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and
+``best_of`` above 1 are refused (400); on the RAG model earlier messages (including system
+messages) are not used, and ``pcache.notes`` says so; ``k`` (chunks to retrieve) may be
+passed in the body (``extra_body`` in the clients).
 """
 
 from __future__ import annotations
@@ -31,24 +37,47 @@ router = APIRouter(prefix="/v1")
 
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "prediction",
             "reasoning_effort", "modalities"}
-_KNOWN = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed",
-          "stream", "n", "k", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias",
-          "tools", "tool_choice", "functions", "function_call", "response_format"} | _IGNORED
+_SAMPLING = {"model", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "n", "k", "frequency_penalty",
+             "presence_penalty", "logprobs", "logit_bias"}
+_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                      "function_call", "response_format"} | _IGNORED
+_KNOWN_TEXT = _SAMPLING | {"prompt", "echo", "suffix", "best_of"} | _IGNORED
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "top_logprobs")
+#: the plain model's name is the RAG model's with this suffix
+PLAIN = "-plain"
+#: chat roles the plain model renders (``developer`` is OpenAI's newer name for system)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _model_ids(service) -> list[str]:
     return [service.model_id, "pcache-rag"]
 
 
+def _plain_ids(service) -> list[str]:
+    return [m + PLAIN for m in _model_ids(service)]
+
+
+def _is_plain(data: dict, service) -> bool:
+    """Whether the body asks for the plain model (else the RAG model); unknown models are a 404."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required (see GET /v1/models)", param="model")
+    if model in _plain_ids(service):
+        return True
+    if model in _model_ids(service):
+        return False
+    raise RequestError(f"model {model!r} is not served here; use one of {_model_ids(service) + _plain_ids(service)}",
+                       404, param="model", code="model_not_found")
+
+
 @router.get("/models")
 async def models(request: Request):
     service = request.app.state.service
     return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pcache-rag"}
-                                       for m in _model_ids(service)]}
+                                       for m in _model_ids(service) + _plain_ids(service)]}
 
 
-def _text(content) -> str:
+def _text(content, param: str = "messages") -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -56,10 +85,10 @@ def _text(content) -> str:
         for p in content:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise RequestError(f"only text content is supported, not {kind!r}")
+                raise RequestError(f"only text content is supported, not {kind!r}", param=param)
             parts.append(p["text"])
         return "".join(parts)
-    raise RequestError("message content must be a string or a list of text parts")
+    raise RequestError("message content must be a string or a list of text parts", param=param)
 
 
 def _number(data: dict, name: str, lo: float, hi: float, integer: bool = False):
@@ -67,50 +96,33 @@ def _number(data: dict, name: str, lo: float, hi: float, integer: bool = False):
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise RequestError(f"{name} must be a {'whole ' if integer else ''}number")
+        raise RequestError(f"{name} must be a {'whole ' if integer else ''}number", param=name, code="invalid_type")
     if not lo <= v <= hi:
-        raise RequestError(f"{name} must be between {lo:g} and {hi:g}, not {v}")
+        raise RequestError(f"{name} must be between {lo:g} and {hi:g}, not {v}", param=name, code="invalid_value")
     return v
 
 
-def parse_request(data: dict, service) -> tuple[str, dict, int | None, list[str]]:
-    """(question, generation arguments, k, notes) from a chat-completions body, or
-    :class:`RequestError` naming what cannot be honoured."""
-    unknown = set(data) - _KNOWN
+def _refuse_unknown(data: dict, known: set[str]) -> None:
+    unknown = set(data) - known
     if unknown:
-        raise RequestError(f"unsupported parameters: {', '.join(sorted(unknown))}")
-    for name in _UNSUPPORTED:
-        v = data.get(name)
-        harmless = v in (None, [], {}) or (name == "tool_choice" and v in ("none", "auto")) or (
-            name == "response_format" and v == {"type": "text"})
-        if not harmless:
-            raise RequestError(f"{name} is not supported by this server")
-    if data.get("logprobs"):
-        raise RequestError("logprobs is not supported by this server")
+        raise RequestError(f"unsupported parameters: {', '.join(sorted(unknown))}", param=sorted(unknown)[0],
+                           code="unsupported_parameter")
+
+
+def _unsupported(name: str) -> RequestError:
+    return RequestError(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dict:
+    """The engine's generation arguments from OpenAI's sampling fields (refusing what it cannot honour)."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(data, name, -2, 2):
-            raise RequestError(f"{name} is not supported by this server (only 0)")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError("model is required (see GET /v1/models)")
-    if model not in _model_ids(service):
-        raise RequestError(f"model {model!r} is not served here; use one of {_model_ids(service)}", 404)
+            raise RequestError(f"{name} is not supported by this server (only 0)", param=name,
+                               code="unsupported_parameter")
+    if data.get("logit_bias"):
+        raise _unsupported("logit_bias")
     if (_number(data, "n", 1, 128, integer=True) or 1) != 1:
-        raise RequestError("n must be 1")
-    msgs = data.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("messages must be a non-empty list")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a role")
-    last = msgs[-1]
-    if last["role"] != "user":
-        raise RequestError(f"the last message must be the user's question, not a {last['role']!r} message")
-    question = _text(last.get("content"))
-    notes = []
-    if len(msgs) > 1:
-        notes.append(f"{len(msgs) - 1} earlier message(s) not used: this endpoint answers the last user message "
-                     f"from the server's documents")
+        raise RequestError("n must be 1", param="n", code="unsupported_value")
     gen: dict = {}
     t = _number(data, "temperature", 0, 2)
     if t:
@@ -121,8 +133,8 @@ def parse_request(data: dict, service) -> tuple[str, dict, int | None, list[str]
             notes.append("top_p has no effect with temperature 0 (greedy)")
         else:
             gen["top_p"] = float(p)
-    m = _number(data, "max_completion_tokens", 1, 4096, integer=True) or _number(data, "max_tokens", 1, 4096,
-                                                                                  integer=True)
+    m = _number(data, max_name, 1, 4096, integer=True) if max_name != "max_tokens" else None
+    m = m or _number(data, "max_tokens", 1, 4096, integer=True)
     if m is not None:
         gen["max_new_tokens"] = int(m)
     s = _number(data, "seed", -(2**63), 2**63 - 1, integer=True)
@@ -132,10 +144,71 @@ def parse_request(data: dict, service) -> tuple[str, dict, int | None, list[str]
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop) or len(stop) > 4:
-            raise RequestError("stop must be a string or a list of up to 4 strings")
+            raise RequestError("stop must be a string or a list of up to 4 strings", param="stop")
         gen["stop"] = stop
-    k = data.get("k")
-    return question, gen, k, notes
+    return gen
+
+
+def parse_request(data: dict, service) -> tuple[bool, str | list[tuple[str, str]], dict, int | None, list[str]]:
+    """(plain model?, the question or the plain model's messages, generation arguments, k, notes)
+    from a chat-completions body, or :class:`RequestError` naming what cannot be honoured."""
+    _refuse_unknown(data, _KNOWN)
+    for name in _UNSUPPORTED:
+        v = data.get(name)
+        harmless = v in (None, [], {}) or (name == "tool_choice" and v in ("none", "auto")) or (
+            name == "response_format" and v == {"type": "text"})
+        if not harmless:
+            raise _unsupported(name)
+    if data.get("logprobs"):
+        raise _unsupported("logprobs")
+    plain = _is_plain(data, service)
+    msgs = data.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+    last = msgs[-1]
+    if last["role"] != "user":
+        raise RequestError(f"the last message must be the user's question, not a {last['role']!r} message",
+                           param="messages")
+    notes: list[str] = []
+    gen = _sampling(data, notes, "max_completion_tokens")
+    if plain:
+        turns = []
+        for i, m in enumerate(msgs):
+            role = _ROLES.get(m["role"])
+            if role is None:
+                raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
+                                   "assistant)", param="messages")
+            turns.append((role, _text(m.get("content"))))
+        return True, turns, gen, None, notes
+    if len(msgs) > 1:
+        notes.append(f"{len(msgs) - 1} earlier message(s) not used: this model answers the last user message "
+                     f"from the server's documents (the -plain model reads every message)")
+    return False, _text(last.get("content")), gen, data.get("k"), notes
+
+
+def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
+    """(plain model?, the prompt, generation arguments, k, notes) from a completions body."""
+    _refuse_unknown(data, _KNOWN_TEXT)
+    if data.get("logprobs") is not None:
+        raise _unsupported("logprobs")
+    if data.get("echo"):
+        raise _unsupported("echo")
+    if data.get("suffix"):
+        raise _unsupported("suffix")
+    if (_number(data, "best_of", 1, 20, integer=True) or 1) != 1:
+        raise RequestError("best_of must be 1", param="best_of", code="unsupported_value")
+    plain = _is_plain(data, service)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be a non-empty string (one prompt per request)", param="prompt")
+    notes: list[str] = []
+    gen = _sampling(data, notes)
+    return plain, prompt, gen, (None if plain else data.get("k")), notes
 
 
 def _finish(reason: str | None) -> str:
@@ -145,7 +218,7 @@ def _finish(reason: str | None) -> str:
 def _extra(start: dict, done: dict, notes: list[str]) -> dict:
     return {"sources": start["sources"], "notes": notes + start.get("notes", []),
             **{k: done[k] for k in ("ttft_s", "queued_s", "retrieve_s", "cached_tokens", "computed_tokens",
-                                    "recomputed_tokens")}}
+                                    "recomputed_tokens", "documents") if k in done}}
 
 
 def _usage(done: dict) -> dict:
@@ -154,18 +227,30 @@ def _usage(done: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
 
 
-@router.post("/chat/completions")
-async def chat_completions(request: Request):
-    service = request.app.state.service
-    data = await body_json(request)
-    question, gen, k, notes = parse_request(data, service)
-    job = service.submit(question, k, **gen)
+def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False):
+    if not plain:
+        return service.submit(body, k, **gen)
+    return service.submit_plain(prompt=body, **gen) if text_prompt else service.submit_plain(messages=body, **gen)
+
+
+async def _respond(request: Request, data: dict, job, notes: list[str], chat: bool):
+    """The job's answer as a chat completion or a text completion, whole or streamed."""
     try:
         start = await first_event(job, request)
     except BaseException:
         job.cancel()
         raise
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), data["model"]
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    cid, created, model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), data["model"]
+
+    def choice(text: str | None, finish, delta: bool = False) -> dict:
+        if not chat:
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if delta:
+            return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish,
+                    "logprobs": None}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": None}
 
     if not data.get("stream"):
         text, done = [], None
@@ -178,30 +263,53 @@ async def chat_completions(request: Request):
                 raise RequestError(payload["message"], payload.get("status", 500))
         if done is None:
             raise RequestError("the answer was interrupted", 500)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                             "finish_reason": _finish(done["finish_reason"]), "logprobs": None}],
+        return {"id": cid, "object": obj, "created": created, "model": model,
+                "choices": [choice("".join(text), _finish(done["finish_reason"]))],
                 "usage": _usage(done), "pcache": _extra(start[1], done, notes)}
 
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+    chunk_obj = obj + ".chunk" if chat else obj
 
-    def chunk(delta: dict, finish=None, **extra) -> dict:
-        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+    def chunk(c: dict | None, **extra) -> dict:
+        body = {"id": cid, "object": chunk_obj, "created": created, "model": model,
+                "choices": [c] if c is not None else [], **extra}
         return {"data": json.dumps(body)}
 
     async def stream():
-        yield chunk({"role": "assistant", "content": ""})
+        if chat:
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                         "logprobs": None})
         async for kind, payload in events_of(job):
             if kind == "delta":
-                yield chunk({"content": payload})
+                yield chunk(choice(payload, None, delta=True))
             elif kind == "done":
-                yield chunk({}, _finish(payload["finish_reason"]), pcache=_extra(start[1], payload, notes))
+                yield chunk(choice(None, _finish(payload["finish_reason"]), delta=True),
+                            pcache=_extra(start[1], payload, notes))
                 if include_usage:
-                    yield {"data": json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                               "model": model, "choices": [], "usage": _usage(payload)})}
+                    yield chunk(None, usage=_usage(payload))
             elif kind == "error":  # headers are sent: the error goes in the stream, as OpenAI does
-                yield {"data": json.dumps({"error": {"message": payload["message"], "type": "server_error"}})}
+                yield {"data": json.dumps({"error": {"message": payload["message"], "type": "server_error",
+                                                     "param": None, "code": None}})}
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(stream(), ping=15)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    service = request.app.state.service
+    data = await body_json(request)
+    plain, body, gen, k, notes = parse_request(data, service)
+    return await _respond(request, data, _submit(service, plain, body, gen, k), notes, chat=True)
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    """Text completions (LlamaIndex's ``OpenAILike`` without ``is_chat_model``, older clients):
+    on the plain model the prompt is read as text, documents in it found in the cache; on the
+    RAG model it is the question."""
+    service = request.app.state.service
+    data = await body_json(request)
+    plain, prompt, gen, k, notes = parse_completion(data, service)
+    job = _submit(service, plain, prompt, gen, k, text_prompt=True)
+    return await _respond(request, data, job, notes, chat=False)

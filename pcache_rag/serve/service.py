@@ -15,6 +15,7 @@ next token, which releases the engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 #: Longest question accepted, in characters (checked before tokenizing; the model's
 #: context is checked after).
 MAX_QUESTION_CHARS = 16_000
+#: a plain-model prompt carries its documents: far longer than a question, still bounded
+MAX_PROMPT_CHARS = 400_000
 _INGESTING = "an ingestion is already running: wait for it to finish"
 
 
@@ -45,12 +48,17 @@ class Busy(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request the service cannot answer as asked; ``status`` is the HTTP status to send."""
+    """A request the service cannot answer as asked; ``status`` is the HTTP status to send,
+    ``param`` the request field at fault and ``code`` a machine-readable reason (OpenAI's
+    error fields), when known."""
 
-    def __init__(self, message: str, status: int = 400, retry_after: int | None = None):
+    def __init__(self, message: str, status: int = 400, retry_after: int | None = None, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.param = param
+        self.code = code
 
 
 @dataclass
@@ -67,6 +75,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     submitted: float = field(default_factory=time.perf_counter)
+    #: the plain model's input, answered as sent (no retrieval): chat messages, or a text prompt
+    messages: list[tuple[str, str]] | None = None
+    prompt: str | None = None
 
     def emit(self, kind: str | None, data=None) -> None:
         try:
@@ -201,6 +212,24 @@ class AnswerService:
             raise Busy(self._q.qsize(), self._retry_after()) from None
         return job
 
+    def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None, **gen) -> Job:
+        """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
+        or a text ``prompt``, answered with no retrieval; known documents in it (ingested
+        chunks, documents seen before) are found and read from the cache."""
+        if (messages is None) == (prompt is None):
+            raise RequestError("give messages or a prompt")
+        size = len(prompt) if prompt is not None else sum(len(c) for _, c in messages or [])
+        if size > MAX_PROMPT_CHARS:
+            raise RequestError(f"the prompt is {size} characters; the limit is {MAX_PROMPT_CHARS}", 413)
+        gen.setdefault("max_new_tokens", self.max_new_tokens)
+        job = Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt)
+        try:
+            self._q.put_nowait(job)
+        except queue.Full:
+            self.counts["rejected"] += 1
+            raise Busy(self._q.qsize(), self._retry_after()) from None
+        return job
+
     def _retry_after(self) -> int:
         recent = self._job_s[-16:]
         per = sum(recent) / len(recent) if recent else 2.0
@@ -228,7 +257,52 @@ class AnswerService:
                 del self._job_s[:-64]
                 job.emit(None)
 
+    def _answer_plain(self, job: Job) -> None:
+        """The plain model: the prompt as sent, through the RAG index's own Assembler (its
+        documents' states, discovered in any message)."""
+        asm = self.rag.asm
+        queued = time.perf_counter() - job.submitted
+        t0 = time.perf_counter()
+        try:
+            self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
+            segs = (asm.message_segments(job.messages) if job.messages is not None
+                    else asm.text_segments(job.prompt or ""))
+            stream = asm.stream(segs, **job.gen)
+            first = next(stream)  # plans the prompt: too long or unsupported is the client's error
+        except (ContextOverflowError, ValueError, TypeError) as e:
+            job.emit("error", {"status": 400, "message": str(e)})
+            return
+        job.emit("start", {"sources": [], "queued_s": queued, "notes": []})
+        ttft = None
+        out = None
+        try:
+            for item in itertools.chain([first], stream):
+                if job.cancelled.is_set():
+                    break
+                if not isinstance(item, str):
+                    out = item
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                job.emit("delta", item)
+        finally:
+            stream.close()
+        if job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+            return
+        if out is None:
+            raise RuntimeError("the answer stream ended without its output")
+        st = out.stats()
+        job.emit("done", {**{k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens",
+                                                "recomputed_tokens", "output_tokens", "finish_reason")},
+                          "ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "queued_s": queued,
+                          "retrieve_s": 0.0, "total_s": time.perf_counter() - t0, "documents": st["documents"],
+                          "notes": []})
+        self.counts["answered"] += 1
+
     def _answer(self, job: Job) -> None:
+        if job.messages is not None or job.prompt is not None:
+            return self._answer_plain(job)
         rag = self.rag
         queued = time.perf_counter() - job.submitted
         t0 = time.perf_counter()
