@@ -115,3 +115,21 @@ def test_stream_resumed_in_other_threads_releases_the_engine(smol_tok):
         p.prefill(PROMPT)
     open_stream.close()
     assert p.prefill(PROMPT).computed_tokens > 0
+
+
+def test_a_stream_holds_its_output_and_listeners_see_every_call(pc):
+    """No side channel on the engine: a Generation holds its own output once exhausted, and
+    pc.recording() collects the outputs of calls made while it is open, in order."""
+    with pc.recording() as outs:
+        g = pc.stream(PROMPT, max_new_tokens=6)
+        assert g.output is None
+        text = "".join(g)
+        one = pc.generate(PROMPT, max_new_tokens=3)
+    assert g.output is not None and g.output.text == text and len(g.output.token_ids) == 6
+    assert outs == [g.output, one]
+    after = pc.generate(PROMPT, max_new_tokens=2)
+    assert after not in outs, "the recording ends with its block"
+    half = pc.stream(PROMPT, max_new_tokens=6)
+    next(half)
+    half.close()  # a client that went away: the engine is free at once
+    assert pc.generate(PROMPT, max_new_tokens=2).token_ids == after.token_ids

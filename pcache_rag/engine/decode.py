@@ -114,11 +114,12 @@ class Generation(Iterator[str]):
         item = next(self._items)  # StopIteration ends the stream
         if isinstance(item, GenerationOutput):
             self.output = item
-            if self._on_done is not None:
-                self._on_done(item)
-            # the output is the last item: finish the underlying loop so the engine is released
+            # the output is the last item: finish the underlying loop so the engine is released,
+            # then tell the listeners (one that fails cannot keep the engine locked)
             for _ in self._items:
                 pass
+            if self._on_done is not None:
+                self._on_done(item)
             raise StopIteration
         return item
 

@@ -204,13 +204,7 @@ class AnswerService:
                 raise RequestError("no document is indexed yet: ingestion is running, ask again in a moment", 409,
                                    retry_after=5)
             raise RequestError("no document is indexed yet: add documents first", 409)
-        job = Job(q, k, gen, compare, asyncio.get_running_loop())
-        try:
-            self._q.put_nowait(job)
-        except queue.Full:
-            self.counts["rejected"] += 1
-            raise Busy(self._q.qsize(), self._retry_after()) from None
-        return job
+        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop()))
 
     def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None, **gen) -> Job:
         """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
@@ -222,7 +216,10 @@ class AnswerService:
         if size > MAX_PROMPT_CHARS:
             raise RequestError(f"the prompt is {size} characters; the limit is {MAX_PROMPT_CHARS}", 413)
         gen.setdefault("max_new_tokens", self.max_new_tokens)
-        job = Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt)
+        return self._enqueue(Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt))
+
+    def _enqueue(self, job: Job) -> Job:
+        """Put ``job`` in the queue, or :class:`Busy` when it is full."""
         try:
             self._q.put_nowait(job)
         except queue.Full:
