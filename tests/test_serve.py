@@ -173,6 +173,36 @@ def test_plain_model_reads_every_message_and_finds_known_documents(served):
     assert bare.model_extra["pcache"]["cached_tokens"] < bare.usage.prompt_tokens
 
 
+def test_rag_model_honours_the_system_message_and_earlier_turns(served):
+    """On the RAG model, retrieval runs on the last user message alone, and the conversation's
+    system message and earlier turns go into the prompt before the documents, whose states are
+    read from the cache all the same."""
+    from openai import OpenAI
+
+    from pcache_rag.frameworks import format_documents
+
+    srv, _service, rag = served
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    q = QUESTIONS[2]
+    msgs = [{"role": "system", "content": "You answer in one short sentence."},
+            {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello. Ask me about the town."},
+            {"role": "user", "content": q}]
+    r = client.chat.completions.create(model="pcache-rag", messages=msgs, temperature=0, max_tokens=16)
+    extra = r.model_extra["pcache"]
+    assert extra["sources"] and extra["documents"] == len(extra["sources"]) == rag.k
+    assert extra["sources"][-1]["document"] == "bakery.md" or any(s["document"] == "bakery.md"
+                                                                  for s in extra["sources"])
+    assert r.usage.prompt_tokens_details.cached_tokens > 0 and not extra["notes"]
+    handles = rag.retrieve(q)  # the prompt the server built: the turns, then the chunks and the question
+    docs = format_documents([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)])
+    turns = [(m["role"], m["content"]) for m in msgs[:-1]] + [("user", f"Documents:\n\n{docs}\n\nQuestion: {q}")]
+    want = rag.asm.generate(rag.asm.message_segments(turns), max_new_tokens=16)
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
+    single = client.chat.completions.create(model="pcache-rag", messages=msgs[-1:], temperature=0, max_tokens=16)
+    assert single.choices[0].message.content == rag.answer(q, max_new_tokens=16).text  # unchanged
+    assert single.usage.prompt_tokens != r.usage.prompt_tokens  # the default system prompt, no turns
+
+
 def test_text_completions_on_both_models(served):
     """/v1/completions: the plain model reads the prompt as text (known documents from the
     cache), the RAG model takes it as the question; LlamaIndex's OpenAILike works without

@@ -3,7 +3,8 @@
 
 Two models are served. The **RAG model** (the model's name, or ``pcache-rag``): the last
 user message (or the completion's prompt) is the question; retrieval runs over the server's
-index and the answer comes from the chunks' cached states. The **plain model**
+index and the answer comes from the chunks' cached states, after the conversation's system
+message and earlier turns when it has them. The **plain model**
 (``<name>-plain``, or ``pcache-rag-plain``): the messages exactly as sent, every role and
 every earlier turn (or the prompt as text), with no retrieval; documents the server knows
 (its ingested chunks, documents seen before) are found in them and read from the cache.
@@ -16,9 +17,9 @@ how much of the prompt was read from the cache. Errors carry OpenAI's ``param`` 
 Differences from OpenAI, each refused or reported by name, never silent: ``temperature``
 defaults to 0 (greedy: answers from documents should not vary); ``n`` must be 1; tools,
 response formats, logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and
-``best_of`` above 1 are refused (400); on the RAG model earlier messages (including system
-messages) are not used, and ``pcache.notes`` says so; ``k`` (chunks to retrieve) may be
-passed in the body (``extra_body`` in the clients).
+``best_of`` above 1 are refused (400); on the RAG model retrieval runs on the last user
+message alone, while the system message and earlier turns go into the prompt before the
+documents; ``k`` (chunks to retrieve) may be passed in the body (``extra_body`` in the clients).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
     return gen
 
 
-def parse_request(data: dict, service) -> tuple[bool, str | list[tuple[str, str]], dict, int | None, list[str]]:
-    """(plain model?, the question or the plain model's messages, generation arguments, k, notes)
+def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, list[str]]:
+    """(plain model?, the plain model's messages or the RAG model's (question, earlier turns),
+    generation arguments, k, notes)
     from a chat-completions body, or :class:`RequestError` naming what cannot be honoured."""
     _refuse_unknown(data, _KNOWN)
     for name in _UNSUPPORTED:
@@ -174,19 +176,18 @@ def parse_request(data: dict, service) -> tuple[bool, str | list[tuple[str, str]
                            param="messages")
     notes: list[str] = []
     gen = _sampling(data, notes, "max_completion_tokens")
+    turns = []
+    for i, m in enumerate(msgs):
+        role = _ROLES.get(m["role"])
+        if role is None:
+            raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
+                               "assistant)", param="messages")
+        turns.append((role, _text(m.get("content"))))
     if plain:
-        turns = []
-        for i, m in enumerate(msgs):
-            role = _ROLES.get(m["role"])
-            if role is None:
-                raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
-                                   "assistant)", param="messages")
-            turns.append((role, _text(m.get("content"))))
         return True, turns, gen, None, notes
-    if len(msgs) > 1:
-        notes.append(f"{len(msgs) - 1} earlier message(s) not used: this model answers the last user message "
-                     f"from the server's documents (the -plain model reads every message)")
-    return False, _text(last.get("content")), gen, data.get("k"), notes
+    # the RAG model: the last user message is the question, retrieval runs on it alone; the
+    # system message and earlier turns go into the prompt before the documents
+    return False, (turns[-1][1], turns[:-1]), gen, data.get("k"), notes
 
 
 def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
@@ -229,7 +230,8 @@ def _usage(done: dict) -> dict:
 
 def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False):
     if not plain:
-        return service.submit(body, k, **gen)
+        question, history = (body, None) if text_prompt else body
+        return service.submit(question, k, history=history, **gen)
     return service.submit_plain(prompt=body, **gen) if text_prompt else service.submit_plain(messages=body, **gen)
 
 

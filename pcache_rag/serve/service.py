@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import ContextOverflowError
+from ..engine import ContextOverflowError, Generation
+from ..frameworks import format_documents
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     #: the plain model's input, answered as sent (no retrieval): chat messages, or a text prompt
     messages: list[tuple[str, str]] | None = None
+    #: the RAG model's conversation before the question: (role, text) turns, system included
+    history: list[tuple[str, str]] | None = None
     prompt: str | None = None
 
     def emit(self, kind: str | None, data=None) -> None:
@@ -192,7 +195,8 @@ class AnswerService:
                                f"({q[e.start].encode('unicode_escape').decode()}) at character {e.start}") from None
         return q
 
-    def submit(self, question: str, k: int | None = None, compare: bool = False, **gen) -> Job:
+    def submit(self, question: str, k: int | None = None, compare: bool = False,
+               history: list[tuple[str, str]] | None = None, **gen) -> Job:
         """Queue a question (call from the event loop); raises :class:`RequestError` or
         :class:`Busy` at once rather than failing later."""
         q = self.check_question(question)
@@ -204,7 +208,7 @@ class AnswerService:
                 raise RequestError("no document is indexed yet: ingestion is running, ask again in a moment", 409,
                                    retry_after=5)
             raise RequestError("no document is indexed yet: add documents first", 409)
-        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop()))
+        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop(), history=history or None))
 
     def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None, **gen) -> Job:
         """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
@@ -254,98 +258,81 @@ class AnswerService:
                 del self._job_s[:-64]
                 job.emit(None)
 
-    def _answer_plain(self, job: Job) -> None:
+    def _plain_stream(self, job: Job):
         """The plain model: the prompt as sent, through the RAG index's own Assembler (its
         documents' states, discovered in any message)."""
         asm = self.rag.asm
+        self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
+        segs = asm.message_segments(job.messages) if job.messages is not None else asm.text_segments(job.prompt or "")
+        return asm.stream(segs, **job.gen)
+
+    def _rag_stream(self, job: Job, handles: list, notes: list[str]):
+        """The RAG model: the retrieved chunks and the question; with a conversation, its system
+        message and earlier turns come first, and the chunks' states are read all the same."""
+        rag = self.rag
+        if not job.history:
+            return rag.stream(job.question, handles=handles, **job.gen)
+        turns = list(job.history)
+        if not any(role == "system" for role, _ in turns):
+            turns.insert(0, ("system", rag.asm.system_prompt))
+        docs = format_documents([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)])
+        turns.append(("user", f"Documents:\n\n{docs}\n\nQuestion: {job.question}"))
+        if rag.calibration[0] is not None:
+            notes.append(f"the index's calibrated attention ({rag.calibration[0]}) applies to single questions, "
+                         "not to conversations: this answer is uncalibrated")
+        return rag.asm.stream(rag.asm.message_segments(turns), recompute=rag.recompute, **job.gen)
+
+    def _answer(self, job: Job) -> None:
+        rag = self.rag
         queued = time.perf_counter() - job.submitted
         t0 = time.perf_counter()
+        notes: list[str] = []
+        handles = None
+        retrieve_s = 0.0
         try:
-            self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
-            segs = (asm.message_segments(job.messages) if job.messages is not None
-                    else asm.text_segments(job.prompt or ""))
-            stream = asm.stream(segs, **job.gen)
-            first = next(stream)  # plans the prompt: too long or unsupported is the client's error
+            if job.messages is not None or job.prompt is not None:
+                stream = self._plain_stream(job)
+            else:
+                if self.ingest_state.running:
+                    notes.append(f"ingestion is running: this answer uses the {rag.index.count()} chunks indexed "
+                                 "so far")
+                handles = rag.retrieve(job.question, job.k, notes=notes)
+                retrieve_s = time.perf_counter() - t0
+                stream = self._rag_stream(job, handles, notes)
+            # A prompt through the Assembler is planned at its first item: a prompt too long or
+            # unsupported is the client's error, said before anything streams. The RAG path
+            # checked its prompt already, and starts at once (the engine may be busy).
+            first = [] if isinstance(stream, Generation) else [next(stream, None)]
         except (ContextOverflowError, ValueError, TypeError) as e:
             job.emit("error", {"status": 400, "message": str(e)})
             return
-        job.emit("start", {"sources": [], "queued_s": queued, "notes": []})
-        ttft = None
+        first = [x for x in first if x is not None]
+        ttft = time.perf_counter() - t0 if first and isinstance(first[0], str) else None
+        job.emit("start", {"sources": [_source(h) for h in handles or []], "queued_s": queued, "notes": notes})
         out = None
         try:
-            for item in itertools.chain([first], stream):
+            for item in itertools.chain(first, stream):
                 if job.cancelled.is_set():
                     break
-                if not isinstance(item, str):
+                if not isinstance(item, str):  # an Assembler stream ends with its CachedOutput
                     out = item
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 job.emit("delta", item)
         finally:
-            stream.close()
-        if job.cancelled.is_set():
-            self.counts["cancelled"] += 1
-            return
-        if out is None:
-            raise RuntimeError("the answer stream ended without its output")
-        st = out.stats()
-        job.emit("done", {**{k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens",
-                                                "recomputed_tokens", "output_tokens", "finish_reason")},
-                          "ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "queued_s": queued,
-                          "retrieve_s": 0.0, "total_s": time.perf_counter() - t0, "documents": st["documents"],
-                          "notes": []})
-        self.counts["answered"] += 1
-
-    def _answer(self, job: Job) -> None:
-        if job.messages is not None or job.prompt is not None:
-            return self._answer_plain(job)
-        rag = self.rag
-        queued = time.perf_counter() - job.submitted
-        t0 = time.perf_counter()
-        notes = []
-        if self.ingest_state.running:
-            notes.append(f"ingestion is running: this answer uses the {rag.index.count()} chunks indexed so far")
-        try:
-            handles = rag.retrieve(job.question, job.k, notes=notes)
-            retrieve_s = time.perf_counter() - t0
-            stream = rag.stream(job.question, handles=handles, **job.gen)
-        except (ContextOverflowError, ValueError, TypeError) as e:
-            job.emit("error", {"status": 400, "message": str(e)})
-            return
-        job.emit("start", {"sources": [_source(h) for h in handles], "queued_s": queued, "notes": notes})
-        ttft = None
-        try:
-            for delta in stream:
-                if job.cancelled.is_set():
-                    break
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                job.emit("delta", delta)
-        finally:
             stream.close()  # releases the engine at once when the client went away
         if job.cancelled.is_set():
             self.counts["cancelled"] += 1
             return
-        out = stream.output
-        if out is None:  # the stream ended without its output: nothing to report
+        out = out if out is not None else getattr(stream, "output", None)  # a Generation holds its own
+        if out is None:
             raise RuntimeError("the answer stream ended without its output")
-        stats = {
-            "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "queued_s": queued,
-            "retrieve_s": retrieve_s,
-            "total_s": time.perf_counter() - t0,
-            "prompt_tokens": out.cached_tokens + out.computed_tokens,
-            "cached_tokens": out.cached_tokens,
-            "computed_tokens": out.computed_tokens,
-            "recomputed_tokens": out.recomputed_tokens,
-            "output_tokens": len(out.token_ids),
-            "finish_reason": out.finish_reason,
-            "notes": notes,
-        }
+        stats = {**_usage_of(out), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+                 "queued_s": queued, "retrieve_s": retrieve_s, "total_s": time.perf_counter() - t0, "notes": notes}
         job.emit("done", stats)
         self.counts["answered"] += 1
-        if job.compare and not job.cancelled.is_set():
+        if job.compare and handles is not None and not job.cancelled.is_set():
             # the same retrieved text prefilled in full; both TTFTs include the same retrieval
             full = rag.answer_full_prefill(job.question, handles=handles, **job.gen)
             full_ttft = retrieve_s + full.output.ttft_s
@@ -433,3 +420,15 @@ class AnswerService:
 def _source(h) -> dict:
     return {"document": Path(h.source).name, "chunk": int(h.metadata.get("chunk", 0)), "score": round(h.score, 4),
             "tokens": h.n_tokens, "preview": h.text[:240]}
+
+
+def _usage_of(out) -> dict:
+    """The usage figures of a finished answer: a GenerationOutput (the RAG path) or a
+    CachedOutput (prompts through the Assembler, which also counts their documents)."""
+    if hasattr(out, "stats"):
+        st = out.stats()
+        return {k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens", "recomputed_tokens",
+                                   "output_tokens", "finish_reason", "documents")}
+    return {"prompt_tokens": out.cached_tokens + out.computed_tokens, "cached_tokens": out.cached_tokens,
+            "computed_tokens": out.computed_tokens, "recomputed_tokens": out.recomputed_tokens,
+            "output_tokens": len(out.token_ids), "finish_reason": out.finish_reason}
