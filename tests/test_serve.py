@@ -203,6 +203,24 @@ def test_rag_model_honours_the_system_message_and_earlier_turns(served):
     assert single.usage.prompt_tokens != r.usage.prompt_tokens  # the default system prompt, no turns
 
 
+def test_a_clients_own_rag_prompt_is_not_a_retrieval_query(served):
+    """A client that retrieved already sends "Context: ... Question: ..." to the RAG model: the
+    server finds its own chunk in it, answers the message as sent (no second retrieval, no
+    documents twice) and says so."""
+    from openai import OpenAI
+
+    srv, _service, rag = served
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    content = "Context:\n" + _chunk_as_read(rag, "library.md") + "\nQuestion: How many books are there?"
+    r = client.chat.completions.create(model="pcache-rag", messages=[{"role": "user", "content": content}],
+                                       temperature=0, max_tokens=12)
+    extra = r.model_extra["pcache"]
+    assert extra["sources"] == [] and extra["documents"] == 1
+    assert any("answered as sent" in n for n in extra["notes"]) and r.usage.prompt_tokens_details.cached_tokens > 0
+    want = rag.asm.generate(rag.asm.message_segments([("user", content)]), max_new_tokens=12)
+    assert r.choices[0].message.content == want.text
+
+
 def test_text_completions_on_both_models(served):
     """/v1/completions: the plain model reads the prompt as text (known documents from the
     cache), the RAG model takes it as the question; LlamaIndex's OpenAILike works without

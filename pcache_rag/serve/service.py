@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..engine import ContextOverflowError, Generation
+from ..discovery import MIN_CHARS
 from ..frameworks import format_documents
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,11 @@ class AnswerService:
             self._worker.start()
 
     def warm(self) -> None:
-        """Load what the first question would otherwise wait for: the embedding model and
-        the system-prompt states."""
+        """Load what the first question would otherwise wait for: the embedding model, the
+        system-prompt states and the index's chunk texts (for document discovery)."""
         self.rag.embedder.embed(["warm up"])
         self.rag.preamble()
+        self.rag.know_indexed()  # the index's chunks, found in prompts that paste them in
 
     def resume_uploads(self) -> list[str]:
         """Finish what a killed server left: uploads saved but never indexed are ingested in the
@@ -266,6 +268,14 @@ class AnswerService:
         segs = asm.message_segments(job.messages) if job.messages is not None else asm.text_segments(job.prompt or "")
         return asm.stream(segs, **job.gen)
 
+    def _carries_documents(self, job: Job) -> bool:
+        """Whether the question holds the text of one of the index's chunks (or another known
+        document): then it is a prompt with its own context, not a query."""
+        if len(job.question) < MIN_CHARS:  # shorter than any document discovery looks for
+            return False
+        self.rag.know_indexed()
+        return bool(self.rag.pc.known_texts.find(job.question))
+
     def _rag_stream(self, job: Job, handles: list, notes: list[str]):
         """The RAG model: the retrieved chunks and the question; with a conversation, its system
         message and earlier turns come first, and the chunks' states are read all the same."""
@@ -290,6 +300,11 @@ class AnswerService:
         handles = None
         retrieve_s = 0.0
         try:
+            if job.messages is None and job.prompt is None and self._carries_documents(job):
+                # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
+                notes.append("the question carries documents this server knows: answered as sent, without "
+                             "retrieval (they are read from the cache)")
+                job.messages = [*(job.history or []), ("user", job.question)]
             if job.messages is not None or job.prompt is not None:
                 stream = self._plain_stream(job)
             else:
