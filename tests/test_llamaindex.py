@@ -200,6 +200,11 @@ def test_stock_engines_without_pcache_synthesizers_hit_the_cache(docs_dir, smol)
     q = "What is the access code for the north gate?"
     r = index.as_query_engine(llm=llm, similarity_top_k=2).query(q)
     assert "4417" in str(r) and last_output(smol).cached_tokens > 0
+    # streaming with the flag set once, on the stock engine and its default synthesizer
+    streamed = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=True).query(q)
+    assert "".join(streamed.response_gen) == str(r) and last_output(smol).cached_tokens > 0
+    chat_stream = index.as_chat_engine(chat_mode="context", llm=llm, similarity_top_k=2).stream_chat(q)
+    assert "4417" in "".join(chat_stream.response_gen) and last_output(smol).cached_tokens > 0
     for mode in ("condense_plus_context", "context"):
         chat = index.as_chat_engine(chat_mode=mode, llm=llm, similarity_top_k=2)
         assert "4417" in str(chat.chat(q)), mode
