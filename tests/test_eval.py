@@ -65,7 +65,7 @@ def test_sets_are_seeded_and_plant_their_answers(smol_tok):
 
 def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
     out = tmp_path / "docs"
-    rc = main(["eval", "quality", "--n", "2", "--doc-tokens", "64", "--max-new-tokens", "8", "--model", str(smol_dir),
+    rc = main(["eval", "quality", "--n", "1", "--doc-tokens", "48", "--max-new-tokens", "6", "--model", str(smol_dir),
                "--out", str(out), "--json"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
@@ -73,7 +73,7 @@ def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
     for rows in summary["sets"].values():
         assert list(rows) == list(DEFAULT_MODES)
         for mode, r in rows.items():
-            assert r["n"] == 2 and 0 <= r["accuracy"] <= 1 and r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
+            assert r["n"] == 1 and 0 <= r["accuracy"] <= 1 and r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
             for key in ("f1", "recomputed_fraction", "median_ttft_s", "speedup", "agreement"):
                 assert math.isfinite(r[key]), (mode, key)
         assert rows["full"]["agreement"] == 1.0 and rows["preamble"]["recomputed_fraction"] == 0.0
