@@ -117,6 +117,37 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
                                       similarity_top_k=2)
     s = streaming.query(q)
     assert "4417" in "".join(s.response_gen) and last_output(smol).cached_tokens > 0
+    assert s.metadata["pcache"]["cached_tokens"] == last_output(smol).cached_tokens > 0  # streamed stats
+
+    # the cached path emits LlamaIndex's instrumentation and callback events
+    from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+
+    names: list[str] = []
+
+    class Seen(BaseEventHandler):
+        @classmethod
+        def class_name(cls) -> str:
+            return "Seen"
+
+        def handle(self, event, **kwargs):
+            names.append(type(event).__name__)
+
+    seen, root = Seen(), get_dispatcher()
+    root.add_event_handler(seen)
+    debug = LlamaDebugHandler()
+    old_cm, llm.callback_manager = llm.callback_manager, CallbackManager([debug])
+    try:
+        engine.query(q)
+    finally:
+        root.event_handlers.remove(seen)
+        llm.callback_manager = old_cm
+    kinds = {n for n in names if n.startswith("LLM")}
+    assert {"LLMChatStartEvent", "LLMChatEndEvent"} <= kinds or {"LLMCompletionStartEvent",
+                                                                  "LLMCompletionEndEvent"} <= kinds, kinds
+    pairs = debug.get_llm_inputs_outputs()
+    assert pairs and "4417" in str(pairs[-1][-1].payload), "LlamaDebugHandler saw the answer"
 
     chat = PromptCacheChatEngine.from_defaults(retriever=index.as_retriever(similarity_top_k=2), llm=llm)
     first = chat.chat("What is the capital of Japan?")

@@ -286,13 +286,26 @@ class PromptCacheSynthesizer(BaseSynthesizer):
 
     def _responses(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
         ctx = format_documents(text_chunks)
+        # through the LLM's public streaming methods: their decorators emit LlamaIndex's
+        # instrumentation and callback events (LLMChat*/LLMCompletion*, what TokenCountingHandler
+        # and LlamaDebugHandler read)
         if isinstance(self._qa, ChatPromptTemplate):
-            return self._llm._chat_iter(self._qa.format_messages(context_str=ctx, query_str=query_str), kwargs)
-        return self._llm._complete_iter(self._qa.format(context_str=ctx, query_str=query_str), False, kwargs)
+            return self._llm.stream_chat(self._qa.format_messages(context_str=ctx, query_str=query_str), **kwargs)
+        return self._llm.stream_complete(self._qa.format(context_str=ctx, query_str=query_str), formatted=False,
+                                         **kwargs)
 
     def synthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
         r = super().synthesize(query, nodes, additional_source_nodes, **response_kwargs)
-        if not self._streaming and getattr(self, "last_stats", None):
+        if self._streaming and getattr(r, "response_gen", None) is not None:
+            deltas = r.response_gen
+
+            def with_stats():  # the statistics exist once the answer is decoded: then they join
+                yield from deltas
+                if getattr(self, "last_stats", None):
+                    r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}
+
+            r.response_gen = with_stats()
+        elif getattr(self, "last_stats", None):
             r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}  # TTFT, cached/computed tokens
         return r
 
@@ -304,8 +317,16 @@ class PromptCacheSynthesizer(BaseSynthesizer):
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
         it = self._responses(query_str, text_chunks, **kwargs)
+        self.last_stats = None
         if self._streaming:
-            return (r.delta for r in it if r.delta)
+            def deltas():
+                last = None
+                for last in it:
+                    if last.delta:
+                        yield last.delta
+                if last is not None:
+                    self.last_stats = last.additional_kwargs
+            return deltas()
         last = None
         for last in it:
             pass
