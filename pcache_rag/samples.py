@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pydoc
+import re
 import warnings
 from pathlib import Path
 
@@ -20,8 +21,17 @@ DOC_MODULES = (
 )
 
 
+def normalise(text: str) -> str:
+    """A pydoc page without what differs between processes and machines: object reprs' memory
+    addresses (``<... at 0x7f...>``) and the module's file path."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return re.sub(r"^FILE\n    .*$", "FILE\n    (path)", text, flags=re.M)
+
+
 def stdlib_docs(min_chars: int = 0, modules=DOC_MODULES) -> list[tuple[str, str]]:
-    """``(module name, plain-text pydoc page)`` for standard-library modules."""
+    """``(module name, plain-text pydoc page)`` for standard-library modules, normalised
+    (:func:`normalise`): the same text in every process, so a demo corpus written once stays
+    unchanged and its chunks are not re-encoded."""
     out = []
     total = 0
     with warnings.catch_warnings():
@@ -31,7 +41,7 @@ def stdlib_docs(min_chars: int = 0, modules=DOC_MODULES) -> list[tuple[str, str]
                 mod = importlib.import_module(name)
             except ImportError:  # pragma: no cover - stdlib modules are present
                 continue
-            text = pydoc.render_doc(mod, renderer=pydoc.plaintext)
+            text = normalise(pydoc.render_doc(mod, renderer=pydoc.plaintext))
             out.append((name, text))
             total += len(text)
             if min_chars and total >= min_chars:

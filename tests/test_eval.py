@@ -185,3 +185,21 @@ def test_int8_modes_read_the_same_states_quantized(smol_tok):
     assert len(outs) == 2 and all(o.token_ids for o in outs)
     with pytest.raises(ValueError, match="preamble@int8.*synthetic sets only"):
         run_eval(model_path=None, modes=("full", "preamble@int8"), sets=("plain", "rag"), out_dir=None)
+
+
+def test_the_sample_corpus_is_the_same_text_in_every_process():
+    """pydoc prints memory addresses and file paths; the sample corpus (the demo's files, the
+    benchmarks' documents) holds neither, so a demo corpus written once is never rewritten."""
+    import subprocess
+    import sys
+
+    from pcache_rag.samples import MODULES, stdlib_docs
+
+    code = ("import hashlib; from pcache_rag.samples import MODULES, stdlib_docs; "
+            "print(hashlib.sha256(''.join(t for _, t in stdlib_docs(modules=MODULES)).encode()).hexdigest())")
+    import hashlib
+
+    here = hashlib.sha256("".join(t for _, t in stdlib_docs(modules=MODULES)).encode()).hexdigest()
+    there = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert here == there
+    assert not any(" at 0x" in t for _, t in stdlib_docs(modules=MODULES))

@@ -58,8 +58,8 @@ class Prefiller:
         cached_pos = [kv.position_ids for kv in kvs]
         ids_t, pos_t = new_ids, new_pos
         nS = len(rows)
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        if nS:
+        rows_t = torch.tensor(rows, dtype=torch.long) if nS else None  # (nS,) only when rows are recomputed
+        if rows_t is not None:
             # Selected context rows join the query, before the new tokens (recompute.py).
             assert allowed is not None
             ids_t = torch.cat([torch.cat([kv.token_ids for kv in kvs])[rows_t], new_ids])
@@ -74,7 +74,7 @@ class Prefiller:
         if span is not None and counter.calls == 0:
             raise UnsupportedModelError(f"calibrated attention: {type(adapter.model).__name__} does not run its "
                                         "attention through pcache_sdpa")
-        if nS:
+        if rows_t is not None:
             ws.replace_rows(rows_t.to(dev), C, nS, q)
         t3 = time.perf_counter()
         return PrefillResult(

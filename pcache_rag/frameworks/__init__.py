@@ -17,6 +17,7 @@ from .marks import (
     DOC_CLOSE,
     DOC_OPEN,
     DOC_SEPARATOR,
+    DOCUMENTS_HEADER,
     MIN_CONDITIONED_TOKENS,
     PCacheFallbackWarning,
     Segment,
@@ -39,7 +40,7 @@ _LAZY = {"Assembler": "marked", "CachedOutput": "marked", "default_conditioning"
 __all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine",
            "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "CachedOutput",
            "PCacheFallbackWarning", "mark_document", "format_documents", "split_marked", "unmark", "DOC_OPEN",
-           "DOC_CLOSE", "DOC_SEPARATOR", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "default_conditioning",
+           "DOC_CLOSE", "DOC_SEPARATOR", "DOCUMENTS_HEADER", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "default_conditioning",
            "neutral_text", "parse_conditioning"]
 
 

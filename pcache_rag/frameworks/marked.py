@@ -58,8 +58,8 @@ from ..kv import ModuleKV
 from ..pml import bos_ids
 from ..conditioning import neutral_text, parse_conditioning, passage_spec
 from ..store import unit_key
-from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, MIN_CONDITIONED_TOKENS, ROLES,
-                    PCacheFallbackWarning, Segment, split_marked, unmark)
+from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, DOCUMENTS_HEADER, MIN_CONDITIONED_TOKENS,
+                    ROLES, PCacheFallbackWarning, Segment, split_marked, unmark)
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
     chat = pc.chat
     return bos_ids(pc.tokenizer) + pc.safe.segments([
         (chat.prefix["system"], True), (system_prompt, False), (chat.suffix["system"], True),
-        (chat.prefix["user"], True), ("Documents:\n\n", False),
+        (chat.prefix["user"], True), (DOCUMENTS_HEADER, False),
     ])
 
 

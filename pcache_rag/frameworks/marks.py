@@ -17,6 +17,9 @@ DOC_CLOSE = "\ue001"
 DOC_SEPARATOR = "\n\n"
 ROLES = ("system", "user", "assistant")
 
+#: opens the documents in a RAG prompt's user turn (the end of the RAG preamble)
+DOCUMENTS_HEADER = "Documents:\n\n"
+
 DEFAULT_SYSTEM = (
     "You are a helpful assistant. Answer the question using only the documents provided. "
     "If they do not contain the answer, say you do not know."

@@ -11,6 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..engine import PromptCache
+from ..frameworks import DOC_SEPARATOR, DOCUMENTS_HEADER, format_documents
+
+#: what precedes the question after the documents
+QUESTION_PREFIX = "Question: "
 
 # Room kept per chunk for its file-name header, and for the question and the answer.
 HEADER_ALLOWANCE = 32
@@ -27,8 +31,15 @@ def question_ids(pc: PromptCache, question: str) -> list[int]:
     """The question after the documents, closing the user turn and opening the assistant's.
     The question is text: control-token strings in it stay characters."""
     chat = pc.chat
-    return pc.safe.segments([(f"Question: {question}", False), (chat.suffix["user"], True),
+    return pc.safe.segments([(QUESTION_PREFIX + question, False), (chat.suffix["user"], True),
                              (chat.generation_prompt, True)])
+
+
+def user_turn(chunk_texts: list[str], question: str) -> str:
+    """The user turn of a RAG prompt as message text, for a prompt built from chat messages (a
+    conversation on the RAG model): the same words the preamble's end, the chunks and
+    :func:`question_ids` give, with the chunks marked so their cached states are read."""
+    return DOCUMENTS_HEADER + format_documents(chunk_texts) + DOC_SEPARATOR + QUESTION_PREFIX + question
 
 
 def check_fits(preamble_tokens: int, k: int, chunk_tokens: int, max_positions: int) -> None:

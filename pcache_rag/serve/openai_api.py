@@ -134,8 +134,7 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
             notes.append("top_p has no effect with temperature 0 (greedy)")
         else:
             gen["top_p"] = float(p)
-    m = _number(data, max_name, 1, 4096, integer=True) if max_name != "max_tokens" else None
-    m = m or _number(data, "max_tokens", 1, 4096, integer=True)
+    m = _number(data, max_name, 1, 4096, integer=True) or _number(data, "max_tokens", 1, 4096, integer=True)
     if m is not None:
         gen["max_new_tokens"] = int(m)
     s = _number(data, "seed", -(2**63), 2**63 - 1, integer=True)

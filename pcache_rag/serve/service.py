@@ -29,7 +29,7 @@ import torch
 
 from ..engine import ContextOverflowError, Generation
 from ..discovery import MIN_CHARS
-from ..frameworks import format_documents
+from ..rag.prompt import user_turn
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +285,8 @@ class AnswerService:
         turns = list(job.history)
         if not any(role == "system" for role, _ in turns):
             turns.insert(0, ("system", rag.asm.system_prompt))
-        docs = format_documents([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)])
-        turns.append(("user", f"Documents:\n\n{docs}\n\nQuestion: {job.question}"))
+        turns.append(("user", user_turn([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)],
+                                        job.question)))
         if rag.calibration[0] is not None:
             notes.append(f"the index's calibrated attention ({rag.calibration[0]}) applies to single questions, "
                          "not to conversations: this answer is uncalibrated")
