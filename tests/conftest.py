@@ -30,3 +30,22 @@ def smol(smol_dir):
     from helpers import watch
 
     return watch(PromptCache.from_pretrained(str(smol_dir)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test class may run part of an ecosystem's standard suite: ``standard_tests_only``
+    (name prefixes to keep) or ``standard_tests_except`` (prefixes to leave out). What is
+    left out is deselected (reported as such), not skipped: it runs in the sibling class."""
+    keep, drop = [], []
+    for item in items:
+        cls = getattr(item, "cls", None)
+        name = getattr(item, "originalname", item.name)
+        only = getattr(cls, "standard_tests_only", None)
+        out = getattr(cls, "standard_tests_except", ())
+        if (only is not None and not name.startswith(tuple(only))) or (out and name.startswith(tuple(out))):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

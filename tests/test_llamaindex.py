@@ -119,6 +119,15 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
     assert "4417" in "".join(s.response_gen) and last_output(smol).cached_tokens > 0
     assert s.metadata["pcache"]["cached_tokens"] == last_output(smol).cached_tokens > 0  # streamed stats
 
+    async def astreamed():  # async streaming: the statistics join once the answer is read
+        resp = await streaming.aquery(q)
+        text = "".join([d async for d in resp.async_response_gen()])
+        return text, resp.metadata
+
+    text, meta = asyncio.run(astreamed())
+    assert "4417" in text and meta["pcache"]["cached_tokens"] == last_output(smol).cached_tokens > 0
+    assert meta["pcache"]["computed_tokens"] == _tail(smol, q)
+
     # the cached path emits LlamaIndex's instrumentation and callback events
     from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
     from llama_index.core.instrumentation import get_dispatcher
@@ -259,3 +268,33 @@ def test_unsupported_constructor_arguments_are_refused_by_name():
     assert "generate_kwargs" in str(e.value)
     llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=7)
     assert PromptCacheLLM.from_dict(llm.to_dict()).max_new_tokens == 7
+
+
+def test_structured_predict_and_response_format(smol):
+    """``structured_predict`` (LlamaIndex's own program and prompt, with the schema's grammar
+    added), ``as_structured_llm`` and a ``response_format`` on ``chat``."""
+    import json
+
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel
+
+    from llama_index.llms.pcache import PromptCacheLLM
+
+    class Capital(BaseModel):
+        city: str
+        country: str
+
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=48)
+    got = llm.structured_predict(Capital, PromptTemplate("What is the capital of {country}?"), country="France")
+    assert isinstance(got, Capital) and got.country == "France"
+    got = asyncio.run(llm.astructured_predict(Capital, PromptTemplate("The capital of {c}?"), c="Japan"))
+    assert isinstance(got, Capital)
+    parts = list(llm.stream_structured_predict(Capital, PromptTemplate("The capital of {c}?"), c="Italy"))
+    assert parts and isinstance(parts[-1], Capital)
+    r = llm.as_structured_llm(Capital).chat([ChatMessage(role="user", content="The capital of Spain?")])
+    assert isinstance(r.raw, Capital)
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": Capital.model_json_schema()}}
+    r = llm.chat([ChatMessage(role="user", content="The capital of Germany?")], response_format=fmt)
+    assert set(json.loads(r.message.content)) == {"city", "country"}
+    assert r.additional_kwargs["finish_reason"] == "eos"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -26,7 +27,9 @@ from .types import FinishReason, GenerationOutput, PrefillResult
 class SamplingParams:
     """How to decode: greedy by default; ``do_sample=True`` samples with ``temperature`` and
     ``top_p`` (``seed`` makes it repeatable). Decoding stops at the model's end token, at any
-    string in ``stop`` (excluded from the text) or after ``max_new_tokens``."""
+    string in ``stop`` (excluded from the text) or after ``max_new_tokens``. ``grammar`` (an
+    llguidance grammar from :mod:`pcache_rag.grammar`, e.g. ``json_grammar(schema)``)
+    constrains every token to it; the answer then ends where the grammar is complete."""
 
     max_new_tokens: int = 64
     do_sample: bool = False
@@ -34,11 +37,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         object.__setattr__(self, "stop", tuple(s for s in (self.stop or ()) if s))
+        if self.grammar is not None:
+            from ..grammar import check
+
+            check(self.grammar)  # a bad grammar is refused here, not after the prefill
 
     @classmethod
     def of(cls, params: SamplingParams | None = None, **kw: object) -> SamplingParams:
@@ -179,13 +187,22 @@ class Decoder:
         finish: FinishReason = "length"
         ttft = None
         logits = res.logits
+        constraint = None
+        if params.grammar is not None:
+            from ..grammar import Constraint
+
+            constraint = Constraint(self.tokenizer, params.grammar, logits.shape[-1])
         for step in range(params.max_new_tokens):
+            if constraint is not None:
+                logits = constraint.apply(logits)
             tok = sample(logits, params, gen)
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if tok in self.eos_ids:
                 finish = "eos"
                 break
+            if constraint is not None:
+                constraint.advance(tok)
             tokens.append(tok)
             text = self._text(tokens)
             cut = first_stop(text, stops)
@@ -199,6 +216,9 @@ class Decoder:
             if safe > len(emitted):
                 yield text[len(emitted) : safe]
                 emitted = text[:safe]
+            if constraint is not None and constraint.done:  # nothing may follow: the answer is whole
+                finish = "eos"
+                break
             if step == params.max_new_tokens - 1:
                 break
             ids = torch.tensor([tok], dtype=torch.long, device=dev)
@@ -210,6 +230,11 @@ class Decoder:
                 allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
             with calibrated(res.calibrated):
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
+        if constraint is not None and finish == "length" and not constraint.accepting:
+            from ..grammar import StructuredOutputWarning
+
+            warnings.warn(f"the answer reached max_new_tokens={params.max_new_tokens} before its grammar was "
+                          "complete: it is cut short (raise the token limit)", StructuredOutputWarning, stacklevel=2)
         if finish != "stop":
             text = self._text(tokens)
             if len(text) > len(emitted):

@@ -294,16 +294,17 @@ class PromptCache:
 
     def generate(self, prompt_pml: str, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
-                 recompute: str | Recompute | None = None) -> GenerationOutput:
+                 recompute: str | Recompute | None = None, grammar: str | None = None) -> GenerationOutput:
         """Answer a prompt: prefill from the cache, then decode.
 
         Greedy by default; ``do_sample=True`` samples with ``temperature`` and
         ``top_p`` (``seed`` makes it repeatable). Stops at EOS, at any string in
         ``stop`` (excluded from the text) or after ``max_new_tokens``.
-        ``recompute`` overrides the engine's policy for this call.
+        ``recompute`` overrides the engine's policy for this call. ``grammar``
+        (:func:`pcache_rag.grammar.json_grammar` and its siblings) constrains the answer.
         """
         params = SamplingParams.of(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                   top_p=top_p, seed=seed, stop=tuple(stop or ()))
+                                   top_p=top_p, seed=seed, stop=tuple(stop or ()), grammar=grammar)
         return self.stream(prompt_pml, recompute, params=params).result()
 
     def stream(self, prompt_pml: str, recompute: str | Recompute | None = None,

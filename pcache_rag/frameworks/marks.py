@@ -89,8 +89,9 @@ class Segment:
 
 
 def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             stop=None) -> dict:
-    """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy."""
+             stop=None, grammar: str | None = None) -> dict:
+    """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy;
+    ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
     t = float(temperature)
     return {"max_new_tokens": int(max_new_tokens), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
-            "top_p": float(top_p), "seed": seed, "stop": list(stop or [])}
+            "top_p": float(top_p), "seed": seed, "stop": list(stop or []), "grammar": grammar}

@@ -16,10 +16,13 @@ how much of the prompt was read from the cache. Errors carry OpenAI's ``param`` 
 
 Differences from OpenAI, each refused or reported by name, never silent: ``temperature``
 defaults to 0 (greedy: answers from documents should not vary); ``n`` must be 1; tools,
-response formats, logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and
-``best_of`` above 1 are refused (400); on the RAG model retrieval runs on the last user
-message alone, while the system message and earlier turns go into the prompt before the
-documents; ``k`` (chunks to retrieve) may be passed in the body (``extra_body`` in the clients).
+logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and ``best_of`` above 1 are
+refused (400); on the RAG model retrieval runs on the last user message alone, while the
+system message and earlier turns go into the prompt before the documents; ``k`` (chunks to
+retrieve) may be passed in the body (``extra_body`` in the clients). ``response_format``
+(``json_schema``, ``json_object``) constrains decoding by the schema's grammar
+(:mod:`pcache_rag.grammar`) and puts the schema after the last user message, for the model to
+read; an answer cut by ``max_tokens`` before its JSON is whole says so in ``pcache.notes``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import uuid
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
+from ..grammar import structured, with_instruction
 from .http import body_json, events_of, first_event
 from .service import RequestError
 
@@ -43,7 +47,7 @@ _SAMPLING = {"model", "temperature", "top_p", "max_tokens", "stop", "seed", "str
 _KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                       "function_call", "response_format"} | _IGNORED
 _KNOWN_TEXT = _SAMPLING | {"prompt", "echo", "suffix", "best_of"} | _IGNORED
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "top_logprobs")
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs")
 #: the plain model's name is the RAG model's with this suffix
 PLAIN = "-plain"
 #: chat roles the plain model renders (``developer`` is OpenAI's newer name for system)
@@ -150,14 +154,14 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
 
 
 def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, list[str]]:
-    """(plain model?, the plain model's messages or the RAG model's (question, earlier turns),
+    """(plain model?, the plain model's messages or the RAG model's (question, earlier turns,
+    instruction after the question),
     generation arguments, k, notes)
     from a chat-completions body, or :class:`RequestError` naming what cannot be honoured."""
     _refuse_unknown(data, _KNOWN)
     for name in _UNSUPPORTED:
         v = data.get(name)
-        harmless = v in (None, [], {}) or (name == "tool_choice" and v in ("none", "auto")) or (
-            name == "response_format" and v == {"type": "text"})
+        harmless = v in (None, [], {}) or (name == "tool_choice" and v in ("none", "auto"))
         if not harmless:
             raise _unsupported(name)
     if data.get("logprobs"):
@@ -175,6 +179,10 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
                            param="messages")
     notes: list[str] = []
     gen = _sampling(data, notes, "max_completion_tokens")
+    try:
+        fmt = structured(data.get("response_format"))
+    except ValueError as e:
+        raise RequestError(str(e), param="response_format", code="invalid_value") from None
     turns = []
     for i, m in enumerate(msgs):
         role = _ROLES.get(m["role"])
@@ -182,11 +190,16 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
             raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
                                "assistant)", param="messages")
         turns.append((role, _text(m.get("content"))))
+    instruction = ""
+    if fmt is not None:  # decoding follows the schema's grammar; the model reads the schema too
+        gen["grammar"] = fmt.grammar
+        instruction = fmt.instruction
     if plain:
-        return True, turns, gen, None, notes
+        return True, with_instruction(turns, instruction), gen, None, notes
     # the RAG model: the last user message is the question, retrieval runs on it alone; the
-    # system message and earlier turns go into the prompt before the documents
-    return False, (turns[-1][1], turns[:-1]), gen, data.get("k"), notes
+    # system message and earlier turns go into the prompt before the documents, and a response
+    # format's instruction after the question
+    return False, (turns[-1][1], turns[:-1], instruction), gen, data.get("k"), notes
 
 
 def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
@@ -229,8 +242,8 @@ def _usage(done: dict) -> dict:
 
 def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False):
     if not plain:
-        question, history = (body, None) if text_prompt else body
-        return service.submit(question, k, history=history, **gen)
+        question, history, instruction = (body, None, "") if text_prompt else body
+        return service.submit(question, k, history=history, instruction=instruction, **gen)
     return service.submit_plain(prompt=body, **gen) if text_prompt else service.submit_plain(messages=body, **gen)
 
 

@@ -82,6 +82,8 @@ class Job:
     #: the RAG model's conversation before the question: (role, text) turns, system included
     history: list[tuple[str, str]] | None = None
     prompt: str | None = None
+    #: said after the question in the prompt, not searched for (a response format's schema)
+    instruction: str = ""
 
     def emit(self, kind: str | None, data=None) -> None:
         try:
@@ -198,9 +200,10 @@ class AnswerService:
         return q
 
     def submit(self, question: str, k: int | None = None, compare: bool = False,
-               history: list[tuple[str, str]] | None = None, **gen) -> Job:
+               history: list[tuple[str, str]] | None = None, instruction: str = "", **gen) -> Job:
         """Queue a question (call from the event loop); raises :class:`RequestError` or
-        :class:`Busy` at once rather than failing later."""
+        :class:`Busy` at once rather than failing later. ``instruction`` follows the question in
+        the prompt and is not part of the retrieval query."""
         q = self.check_question(question)
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32):
             raise RequestError("k must be a whole number from 1 to 32")
@@ -210,7 +213,8 @@ class AnswerService:
                 raise RequestError("no document is indexed yet: ingestion is running, ask again in a moment", 409,
                                    retry_after=5)
             raise RequestError("no document is indexed yet: add documents first", 409)
-        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop(), history=history or None))
+        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop(), history=history or None,
+                                 instruction=instruction))
 
     def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None, **gen) -> Job:
         """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
@@ -280,13 +284,14 @@ class AnswerService:
         """The RAG model: the retrieved chunks and the question; with a conversation, its system
         message and earlier turns come first, and the chunks' states are read all the same."""
         rag = self.rag
+        question = job.question + job.instruction
         if not job.history:
-            return rag.stream(job.question, handles=handles, **job.gen)
+            return rag.stream(question, handles=handles, **job.gen)
         turns = list(job.history)
         if not any(role == "system" for role, _ in turns):
             turns.insert(0, ("system", rag.asm.system_prompt))
         turns.append(("user", user_turn([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)],
-                                        job.question)))
+                                        question)))
         if rag.calibration[0] is not None:
             notes.append(f"the index's calibrated attention ({rag.calibration[0]}) applies to single questions, "
                          "not to conversations: this answer is uncalibrated")
@@ -304,7 +309,7 @@ class AnswerService:
                 # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
                 notes.append("the question carries documents this server knows: answered as sent, without "
                              "retrieval (they are read from the cache)")
-                job.messages = [*(job.history or []), ("user", job.question)]
+                job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
             if job.messages is not None or job.prompt is not None:
                 stream = self._plain_stream(job)
             else:
@@ -343,7 +348,11 @@ class AnswerService:
         out = out if out is not None else getattr(stream, "output", None)  # a Generation holds its own
         if out is None:
             raise RuntimeError("the answer stream ended without its output")
-        stats = {**_usage_of(out), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+        usage = _usage_of(out)
+        if job.gen.get("grammar") and usage["finish_reason"] == "length":
+            notes.append("the answer reached max_tokens before its structured output was complete: it is cut "
+                         "short (raise max_tokens)")
+        stats = {**usage, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
                  "queued_s": queued, "retrieve_s": retrieve_s, "total_s": time.perf_counter() - t0, "notes": notes}
         job.emit("done", stats)
         self.counts["answered"] += 1

@@ -4,7 +4,8 @@
   chat template; documents marked by :func:`format_docs` (in any prompt template) are read
   from cached states, the rest is computed. ``usage_metadata`` reports cached tokens as
   ``input_token_details.cache_read``; time-to-first-token and computed counts are in
-  ``response_metadata``.
+  ``response_metadata``. ``with_structured_output`` decodes under the schema's grammar
+  (:mod:`pcache_rag.grammar`), on the cached path.
 * :class:`PromptCacheDocumentEncoder` - a document transformer that encodes each
   document's states (for any ``VectorStore``: encode, then ``add_documents``).
 * :func:`format_docs` / :func:`create_cached_documents_chain` - the drop-in for
@@ -43,6 +44,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
 from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+from pcache_rag.grammar import structured, with_instruction
 
 if TYPE_CHECKING:
     from pcache_rag.frameworks import Assembler, CachedOutput
@@ -90,17 +92,25 @@ class _EngineConfig:
 
     def _gen(self, stop: list[str] | None, kwargs: dict) -> dict:
         """Engine arguments from the instance's defaults and a call's overrides; anything the
-        engine cannot honour is refused by name."""
+        engine cannot honour is refused by name. ``response_format`` (OpenAI's shapes) or
+        ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer; the former's instruction
+        is returned under ``"instruction"`` for the prompt."""
         name = type(self).__name__
-        unknown = set(kwargs) - {"temperature", "top_p", "seed", "max_tokens", "recompute", "model"}
+        unknown = set(kwargs) - {"temperature", "top_p", "seed", "max_tokens", "recompute", "model",
+                                 "response_format", "grammar"}
         if unknown:
             raise TypeError(f"{name} does not support: {', '.join(sorted(unknown))}")
         if kwargs.get("model", self.model) != self.model:
             raise ValueError(f"this {name} serves {self.model!r}, not {kwargs['model']!r}")
+        fmt = structured(kwargs.get("response_format"))
+        if fmt is not None and kwargs.get("grammar") is not None:
+            raise ValueError(f"{name}: give response_format or grammar, not both")
         gen = sampling(kwargs.get("max_tokens", self.max_tokens), kwargs.get("temperature", self.temperature),
                        kwargs.get("top_p", self.top_p), kwargs.get("seed", self.seed),
-                       stop if stop is not None else self.stop)
-        return {**gen, "recompute": kwargs.get("recompute", self.recompute)}
+                       stop if stop is not None else self.stop,
+                       grammar=fmt.grammar if fmt is not None else kwargs.get("grammar"))
+        return {**gen, "recompute": kwargs.get("recompute", self.recompute),
+                "instruction": fmt.instruction if fmt is not None else ""}
 
     def _asm(self) -> Assembler:
         if self._assembler is None:
@@ -229,12 +239,56 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         pairs = [(seg.text, seg.kind == "markup") for seg in segs if seg.kind != "cut" and seg.text]
         return len(bos_ids(asm.pc.tokenizer)) + len(asm.pc.safe.segments(pairs))
 
+    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable:
+        """Answers that are ``schema`` (a pydantic class, a ``TypedDict`` or a JSON schema):
+        decoding is constrained by the schema's grammar (llguidance), so the JSON always parses
+        once it is complete, and the schema is put after the last user message for the model
+        to read. ``method="json_mode"`` without a schema asks for any JSON object (with one, it
+        is constrained by the schema as well); ``"function_calling"`` is
+        served as ``"json_schema"`` (the same object; this model has no tool calls, and
+        ``bind_tools`` stays unsupported). Documents are read from the cache as in
+        any other call. ``strict`` is accepted: the grammar is always strict. ``include_raw``
+        returns ``{"raw", "parsed", "parsing_error"}``."""
+        from operator import itemgetter
+
+        from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+        from langchain_core.runnables import RunnableMap
+        from langchain_core.utils.function_calling import convert_to_json_schema
+        from langchain_core.utils.pydantic import is_basemodel_subclass
+
+        if kwargs:
+            raise TypeError(f"with_structured_output does not support: {', '.join(sorted(kwargs))}")
+        if method not in ("json_schema", "json_mode", "function_calling"):
+            raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', not {method!r}")
+        if method == "function_calling":  # no tool calls here: the schema's grammar gives the same object
+            method = "json_schema"
+        if schema is None and method == "json_schema":
+            raise ValueError("method='json_schema' needs a schema (or use method='json_mode')")
+        js = convert_to_json_schema(schema) if schema is not None else None
+        # json_mode with a schema is constrained by the schema too: any JSON would parse, but a
+        # small model left to "any object" nests and repeats keys the schema does not have
+        fmt = ({"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
+               if js is not None else {"type": "json_object"})
+        bound = {"response_format": fmt}
+        if js is not None:
+            bound["ls_structured_output_format"] = {"kwargs": {"method": method, "strict": strict}, "schema": js}
+        llm = self.bind(**bound)
+        is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()  # type: ignore[arg-type]
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
     def _run(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | CachedOutput]:
         asm = self._asm()
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
-        segs = asm.message_segments([(_role(m), _content(m)) for m in messages])
-        return asm.stream(segs, recompute=recompute, **gen)
+        turns = with_instruction([(_role(m), _content(m)) for m in messages], gen.pop("instruction"))
+        return asm.stream(asm.message_segments(turns), recompute=recompute, **gen)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -308,6 +362,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
         asm = self._asm()
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
+        gen.pop("instruction")  # a text prompt is read as written: the grammar applies, no schema is added
         for item in asm.stream(asm.text_segments(prompt), recompute=recompute, **gen):
             if not isinstance(item, str):
                 yield GenerationChunk(text="", generation_info=item.stats())

@@ -4,7 +4,9 @@
   template; documents marked in a prompt (:func:`pcache_rag.frameworks.format_documents`)
   are read from cached states. Sync, streaming and async (async runs off the event loop).
   Every response carries ``ttft_s``, ``cached_tokens`` and ``computed_tokens`` in
-  ``additional_kwargs``.
+  ``additional_kwargs``. ``structured_predict`` (and ``as_structured_llm``) decode under the
+  output class's JSON-schema grammar; ``response_format`` per call does the same for chat
+  (a ``formatted=True`` completion is read as written: the grammar applies, no schema is added).
 * :class:`PromptCacheEncoder` - a ``TransformComponent`` for ``IngestionPipeline``: encodes
   each node's states and writes the handle (``pcache_kv_key``) into its metadata, for any
   vector store.
@@ -50,6 +52,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
 from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+from pcache_rag.grammar import json_grammar, structured, with_instruction
 
 if TYPE_CHECKING:
     from pcache_rag.frameworks import Assembler, CachedOutput
@@ -125,18 +128,26 @@ class PromptCacheLLM(CustomLLM):
 
     # ------------------------------------------------------------------ internals
 
-    def _gen(self, kwargs: dict) -> tuple[dict, Any]:
+    def _gen(self, kwargs: dict) -> tuple[dict, Any, str]:
+        """(engine arguments, recompute policy, instruction for the prompt) from a call's
+        keywords; anything the engine cannot honour is refused by name. ``response_format``
+        (OpenAI's shapes) or ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
         kwargs = dict(kwargs)
         kwargs.pop("formatted", None)
-        unknown = set(kwargs) - {"temperature", "top_p", "seed", "stop", "max_new_tokens", "max_tokens", "recompute"}
+        unknown = set(kwargs) - {"temperature", "top_p", "seed", "stop", "max_new_tokens", "max_tokens", "recompute",
+                                 "response_format", "grammar"}
         if unknown:
             raise TypeError(f"PromptCacheLLM does not support: {', '.join(sorted(unknown))}")
+        fmt = structured(kwargs.get("response_format"))
+        if fmt is not None and kwargs.get("grammar") is not None:
+            raise ValueError("PromptCacheLLM: give response_format or grammar, not both")
         n = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
         gen = sampling(n, kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
-                       kwargs.get("seed", self.seed), kwargs.get("stop", self.stop))
-        return gen, kwargs.get("recompute", self.recompute)
+                       kwargs.get("seed", self.seed), kwargs.get("stop", self.stop),
+                       grammar=fmt.grammar if fmt is not None else kwargs.get("grammar"))
+        return gen, kwargs.get("recompute", self.recompute), fmt.instruction if fmt is not None else ""
 
-    def _segments(self, messages: Sequence[ChatMessage]):
+    def _turns(self, messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
         msgs = []
         for m in messages:
             role = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
@@ -145,20 +156,22 @@ class PromptCacheLLM(CustomLLM):
                 raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages "
                                           "(tool calling is not supported)")
             msgs.append((role, m.content or ""))
-        return self.assembler.message_segments(msgs)
+        return msgs
 
-    def _prompt_segments(self, prompt: str, formatted: bool):
-        if formatted:
-            return self.assembler.text_segments(prompt)
-        return self.assembler.message_segments([("user", prompt)])
-
-    def _iter(self, segs, kwargs) -> Generator[str | CachedOutput, None, None]:
-        gen, recompute = self._gen(kwargs)
-        return self.assembler.stream(segs, recompute=recompute, **gen)
+    def _iter(self, turns: list[tuple[str, str]] | None, text: str | None,
+              kwargs) -> Generator[str | CachedOutput, None, None]:
+        """Chat ``turns`` (a ``response_format``'s instruction goes after the last user turn), or
+        a formatted ``text`` prompt read exactly as written."""
+        gen, recompute, instruction = self._gen(kwargs)
+        asm = self.assembler
+        segs = asm.message_segments(with_instruction(turns, instruction)) if turns is not None else \
+            asm.text_segments(text or "")
+        return asm.stream(segs, recompute=recompute, **gen)
 
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = ""
-        for item in self._iter(self._prompt_segments(prompt, formatted), kwargs):
+        turns, raw = (None, prompt) if formatted else ([("user", prompt)], None)
+        for item in self._iter(turns, raw, kwargs):
             if not isinstance(item, str):
                 yield CompletionResponse(text=text, delta="", additional_kwargs=item.stats(), raw=item.stats())
             else:
@@ -167,7 +180,7 @@ class PromptCacheLLM(CustomLLM):
 
     def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
         text = ""
-        for item in self._iter(self._segments(messages), kwargs):
+        for item in self._iter(self._turns(messages), None, kwargs):
             if not isinstance(item, str):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
                                    additional_kwargs=item.stats(), raw=item.stats())
@@ -198,6 +211,38 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         return self._chat_iter(messages, kwargs)
+
+    # ------------------------------------------------------------------ structured output
+    # LlamaIndex's own program (LLMTextCompletionProgram) writes the prompt, with the schema in
+    # it, and parses the answer; these add the schema's grammar, so the JSON it parses is whole
+    # and matches the schema. as_structured_llm() goes through them too.
+
+    @staticmethod
+    def _constrained(output_cls: type, llm_kwargs: dict | None) -> dict:
+        kw = dict(llm_kwargs or {})
+        if "response_format" not in kw and "grammar" not in kw:
+            kw["grammar"] = json_grammar(output_cls.model_json_schema())  # type: ignore[attr-defined]
+        return kw
+
+    def structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
+        """``output_cls`` from ``prompt``, decoded under the class's JSON-schema grammar."""
+        return super().structured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+                                          **prompt_args)
+
+    async def astructured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
+        """:meth:`structured_predict`, async."""
+        return await super().astructured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+                                                 **prompt_args)
+
+    def stream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
+        """Partial ``output_cls`` objects as the constrained answer is decoded."""
+        return super().stream_structured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+                                                 **prompt_args)
+
+    async def astream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
+        """:meth:`stream_structured_predict`, async."""
+        return await super().astream_structured_predict(output_cls, prompt,
+                                                        self._constrained(output_cls, llm_kwargs), **prompt_args)
 
     # ------------------------------------------------------------------ async: the engine runs in a worker thread
 
@@ -311,7 +356,16 @@ class PromptCacheSynthesizer(BaseSynthesizer):
 
     async def asynthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
         r = await super().asynthesize(query, nodes, additional_source_nodes, **response_kwargs)
-        if not self._streaming and getattr(self, "last_stats", None):
+        deltas = getattr(r, "response_gen", None)
+        if self._streaming and isinstance(deltas, _AsyncDeltas):
+            async def with_stats():  # this call's statistics join once its answer is decoded
+                async for d in deltas:
+                    yield d
+                if deltas.stats:
+                    r.metadata = {**(r.metadata or {}), "pcache": deltas.stats}
+
+            r.response_gen = with_stats()
+        elif not self._streaming and getattr(self, "last_stats", None):
             r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}
         return r
 
@@ -336,15 +390,33 @@ class PromptCacheSynthesizer(BaseSynthesizer):
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any):
         it = self._responses(query_str, text_chunks, **kwargs)
         if self._streaming:
-            async def deltas():
-                async for r in _athread(it):
-                    if r.delta:
-                        yield r.delta
-
-            return deltas()
+            return _AsyncDeltas(it, self)
         last = (await asyncio.to_thread(list, it))[-1]
         self.last_stats = last.additional_kwargs
         return last.message.content if isinstance(last, ChatResponse) else last.text
+
+
+class _AsyncDeltas(AsyncGenerator):
+    """An answer's text deltas, advanced in worker threads; once exhausted, ``stats`` holds
+    this call's statistics (kept per call: concurrent queries on one synthesizer do not mix).
+    An ``AsyncGenerator`` by its ABC, which is what LlamaIndex checks for a streamed answer."""
+
+    def __init__(self, responses, synth: PromptCacheSynthesizer) -> None:
+        self._it = _athread(responses)
+        self._synth = synth
+        self.stats: dict | None = None
+
+    async def asend(self, value: None) -> str:
+        while True:
+            r = await self._it.__anext__()  # StopAsyncIteration ends the answer
+            if r.delta:
+                return r.delta
+            if r.additional_kwargs:  # the last response carries the statistics
+                self.stats = self._synth.last_stats = r.additional_kwargs
+
+    async def athrow(self, typ, val=None, tb=None):
+        await self._it.aclose()
+        raise val if val is not None else typ()
 
 
 def _check_template(t) -> BasePromptTemplate:
