@@ -15,6 +15,14 @@ by comparing the whole text at that offset, and the longest confirmed text wins,
 right, without overlaps. Texts shorter than :data:`MIN_CHARS` are not indexed: a short
 sentence is too likely to be quoted, and too cheap to be worth a lookup.
 
+Texts that were encoded and kept (a connector's encoder, a document encoded on first use)
+are also written to a journal beside the states they name (``known-texts.jsonl`` in the
+engine's ``cache_dir``), so another process on the same states finds them too: a server
+started after ``PromptCacheDocumentEncoder`` ran, or a second worker. The journal is
+append-only JSON lines, one text each, written under a file lock; a reader takes what was
+appended since it last looked, at each lookup (one ``stat`` when nothing changed). JSON, not
+pickle: the journal is data, never code.
+
 Texts arrive all the time (every retrieval may add a few), and an automaton must be rebuilt
 after words are added. So new anchors go to a small second automaton, rebuilt on the next
 lookup (cheap), and are merged into the main one only when they reach a quarter of it:
@@ -23,22 +31,34 @@ each anchor is rebuilt into the main automaton O(1) times on average.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import ahocorasick
+
+log = logging.getLogger(__name__)
 
 #: how many leading characters of a known text index it
 ANCHOR_CHARS = 48
 #: texts shorter than this (after stripping) are not discovered
 MIN_CHARS = 64
+#: the journal's file name in an engine's ``cache_dir``
+KNOWN_JOURNAL = "known-texts.jsonl"
 
 
 class KnownTexts:
     """A set of document texts, and where they occur in a prompt (see the module docstring).
     Thread-safe: one instance is shared by every component on an engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: str | os.PathLike | None = None) -> None:
+        """``journal``: the file that texts added with ``keep=True`` are written to and read
+        back from, shared by every process on the same states (None: this process only)."""
+        self._journal = Path(journal) if journal is not None else None
+        self._read_to = 0  # bytes of the journal taken in so far
         self._by_anchor: dict[str, list[str]] = {}  # anchor -> full texts starting with it, longest first
         self._n = 0
         self._main = ahocorasick.Automaton()  # most anchors, rebuilt rarely
@@ -49,41 +69,100 @@ class KnownTexts:
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
+        self._catch_up()
         return self._n
 
     def __contains__(self, text: str) -> bool:
+        self._catch_up()
         t = text.strip()
         return t in self._by_anchor.get(t[:ANCHOR_CHARS], ())
 
-    def add(self, texts: str | Iterable[str]) -> int:
-        """Remember ``texts`` (one or many); returns how many were new. Short texts are skipped."""
+    def add(self, texts: str | Iterable[str], keep: bool = False) -> int:
+        """Remember ``texts`` (one or many); returns how many were new. Short texts are skipped.
+        ``keep``: their states are kept in the store, so the new ones go to the journal too,
+        for other processes on the same states."""
         if isinstance(texts, str):
             texts = [texts]
-        added = 0
+        self._catch_up()
         with self._lock:
-            for text in texts:
-                t = text.strip()
-                if len(t) < MIN_CHARS:
-                    continue
-                anchor = t[:ANCHOR_CHARS]
-                same = self._by_anchor.get(anchor)
-                if same is None:
-                    self._by_anchor[anchor] = [t]
-                    self._recent.append(anchor)
-                    self._dirty = True
-                elif t not in same:
-                    same.append(t)
-                    same.sort(key=len, reverse=True)
-                else:
-                    continue
-                self._n += 1
-                added += 1
+            new = self._add_locked(texts)
+        if keep and new and self._journal is not None:
+            self._append(new)
+        return len(new)
+
+    def _add_locked(self, texts: Iterable[str]) -> list[str]:
+        """Add ``texts`` to the index (the caller holds the lock); returns the new ones, stripped."""
+        added: list[str] = []
+        for text in texts:
+            t = text.strip()
+            if len(t) < MIN_CHARS:
+                continue
+            anchor = t[:ANCHOR_CHARS]
+            same = self._by_anchor.get(anchor)
+            if same is None:
+                self._by_anchor[anchor] = [t]
+                self._recent.append(anchor)
+                self._dirty = True
+            elif t not in same:
+                same.append(t)
+                same.sort(key=len, reverse=True)
+            else:
+                continue
+            self._n += 1
+            added.append(t)
         return added
+
+    def _append(self, texts: list[str]) -> None:
+        """Write ``texts`` to the journal, one JSON line each, under the journal's lock (one
+        write per call, so a reader sees whole lines or none of them)."""
+        from filelock import FileLock
+
+        assert self._journal is not None
+        data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
+        try:
+            self._journal.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self._journal) + ".lock", timeout=30), open(self._journal, "ab") as f:
+                f.write(data)
+        except OSError as e:  # a read-only states folder: this process still knows them
+            log.warning("could not record %d known document(s) in %s: %s", len(texts), self._journal, e)
+
+    def _catch_up(self) -> None:
+        """Take in the journal lines other processes (or this one) appended since the last look."""
+        if self._journal is None:
+            return
+        try:
+            size = self._journal.stat().st_size
+        except OSError:
+            return  # no journal yet
+        if size <= self._read_to:
+            return
+        with self._lock:
+            if size <= self._read_to:
+                return
+            with open(self._journal, "rb") as f:
+                f.seek(self._read_to)
+                chunk = f.read(size - self._read_to)
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            texts = []
+            for line in whole.splitlines():
+                try:
+                    t = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    t = None
+                if isinstance(t, str):
+                    texts.append(t)
+                else:
+                    log.warning("skipping a damaged line in %s", self._journal)
+            self._read_to += len(whole)
+            self._add_locked(texts)
 
     def find(self, text: str) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of ``text`` that are known texts, in order;
         at each offset the longest known text wins, and an earlier span wins over a later one."""
-        if not self._by_anchor or len(text) < MIN_CHARS:
+        if len(text) < MIN_CHARS:
+            return []
+        self._catch_up()
+        if not self._by_anchor:
             return []
         with self._lock:
             if self._dirty:
@@ -122,4 +201,4 @@ class KnownTexts:
         self._dirty = False
 
 
-__all__ = ["ANCHOR_CHARS", "MIN_CHARS", "KnownTexts"]
+__all__ = ["ANCHOR_CHARS", "KNOWN_JOURNAL", "MIN_CHARS", "KnownTexts"]

@@ -100,3 +100,50 @@ def test_a_document_seen_marked_once_is_found_unmarked_later(smol):
     assert first.documents == 1
     again = asm.generate(asm.text_segments(f"Notes:\n{doc}\n\nWho logs arrivals?"), max_new_tokens=4)
     assert again.documents == 1 and again.encoded == 0 and again.cache_read > len(asm.doc_ids(doc)) - 2
+
+
+def test_kept_texts_are_journalled_for_other_processes(tmp_path, caplog):
+    """A text added with ``keep=True`` is written to the journal; a KnownTexts in another
+    process reads it back and finds it, and takes later lines as they are appended. Texts
+    added without ``keep`` (retrieved chunks, recoverable from the index) stay in memory."""
+    import subprocess
+    import sys
+
+    journal = tmp_path / "kv" / "known-texts.jsonl"
+    here = KnownTexts(journal)
+    assert here.add(DOC_A, keep=True) == 1 and here.add(DOC_B) == 1
+    code = ("import sys; from pcache_rag.discovery import KnownTexts; k = KnownTexts(sys.argv[1]); "
+            "print(len(k), bool(k.find(sys.argv[2])), bool(k.find(sys.argv[3]))); "
+            "k.add(sys.argv[4], keep=True)")
+    doc_c = "The lighthouse keeper winds the clock at dusk and logs every passing ship by its name."
+    out = subprocess.run([sys.executable, "-c", code, str(journal), "Q: " + DOC_A, DOC_B, doc_c],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "True", "False"], "the other process knows the kept text only"
+    assert here.find("Notes: " + doc_c) == [(7, 7 + len(doc_c))], "its addition reached this process"
+    later = DOC_B.replace("07:45", "08:15")
+    with open(journal, "ab") as f:  # a damaged line is skipped, with a warning, and the rest read
+        f.write(b"{not json\n" + ('"' + later + '"\n').encode())
+    with caplog.at_level("WARNING", logger="pcache_rag.discovery"):
+        fresh = KnownTexts(journal)
+        assert len(fresh) == 3 and later in fresh
+    assert "damaged line" in caplog.text
+
+
+@pytest.mark.real_model
+def test_documents_encoded_by_one_engine_are_found_by_another_on_the_same_states(tmp_path, smol):
+    """The connectors' encoder in one process, a server in another: the second engine (a new
+    one on the same ``cache_dir``) finds the unmarked document and reads its stored states."""
+    from pcache_rag import PromptCache
+    from pcache_rag.frameworks import Assembler
+
+    doc = "The harbour master logs every arrival in the green ledger before noon, and no later. " * 3
+    first = Assembler(PromptCache(smol.model, smol.tokenizer, cache_dir=str(tmp_path)), conditioning="none")
+    first.ensure([doc])
+    other = PromptCache(smol.model, smol.tokenizer, cache_dir=str(tmp_path))
+    asm = Assembler(other, conditioning="none")
+    out = asm.generate(asm.message_segments([("system", f"Notes:\n\n{doc}"), ("user", "Who logs arrivals?")]),
+                       max_new_tokens=4)
+    assert out.documents == 1 and out.cache_read >= len(asm.doc_ids(doc)) - 2
+    assert out.encoded < 16, "the document's states came from the store, only the prefix was new"
+    other.store.close()
+    first.pc.store.close()

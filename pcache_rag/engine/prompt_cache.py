@@ -18,11 +18,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..discovery import KnownTexts
+from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..kv import ModuleKV, Workspace
 from ..models import adapter_for
 from ..models.attention import Calibration, calibrated
@@ -130,8 +131,9 @@ class PromptCache:
         self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer))
         self.last_report: SchemaReport | None = None
         #: the document texts whose states this engine keeps or can encode: the Assembler finds
-        #: them in prompts without marks (:mod:`pcache_rag.discovery`)
-        self.known_texts = KnownTexts()
+        #: them in prompts without marks (:mod:`pcache_rag.discovery`); with a ``cache_dir``, the
+        #: kept ones are journalled beside their states, for every process on them
+        self.known_texts = KnownTexts(Path(cache_dir).expanduser() / KNOWN_JOURNAL if cache_dir else None)
         self._listeners: list[Callable[[GenerationOutput], None]] = []
 
     @property

@@ -227,7 +227,8 @@ class Assembler:
             if not self.pc.store.contains(k):
                 self.encode_ids(ids, k)
             keys.append(k)
-        self.pc.known_texts.add(unmark(t) for t in texts)  # found in later prompts without marks
+        # found in later prompts without marks, in this process and (journalled) in others
+        self.pc.known_texts.add((unmark(t) for t in texts), keep=True)
         return keys
 
     def place(self, kv: ModuleKV, pos: int) -> tuple[ModuleKV, bool]:
@@ -322,7 +323,7 @@ class Assembler:
         for kind, body in groups:
             if kind == "document":
                 pieces.append(("document", self.doc_ids(body[0])))
-                self.pc.known_texts.add(body[0])  # encoded and kept now: found unmarked next time
+                self.pc.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
             elif kind == "cut":
                 pieces.append(("cut", []))
             else:
