@@ -8,7 +8,7 @@ import pytest
 
 from pcache_rag.cli import main
 
-FIGURES = ("length", "fraction", "size", "encoding", "ingest", "scaffold", "memory")
+FIGURES = ("length", "fraction", "recompute", "size", "encoding", "ingest", "scaffold", "memory")
 
 
 @pytest.mark.slow  # every figure of the benchmark at quick sizes: minutes on a 2-core CPU; `make test-slow`
@@ -40,5 +40,8 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     assert {"floor ms", "host fp16 ms", "full prefill ms"} <= set(length["columns"]) and length["rows"]
     frac = raw["figures"]["fraction"]["rows"]
     assert frac[0][0] == 0.0 and frac[-1][0] == 100.0
+    rc = {r[0]: r for r in raw["figures"]["recompute"]["rows"]}
+    assert set(rc) == {"full prefill", "none", "epic:4"} and rc["none"][1] == 0 and rc["epic:4"][1] > 0
+    assert "TTFT speed-up by recompute mode (split path; dense mask)" in heads
     sc = {r[0]: r for r in raw["figures"]["scaffold"]["rows"]}
     assert set(sc) == {"full prefill", "separate modules", "scaffold"} and sc["scaffold"][2] == 2

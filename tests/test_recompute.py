@@ -239,3 +239,37 @@ def test_batched_decoding_equals_one_at_a_time(smol_tok):
             one.cached_tokens, one.computed_tokens, one.recomputed_tokens)
         assert got.finish_reason == one.finish_reason and 0 < got.ttft_s <= got.total_s
     assert len({tuple(b.token_ids) for b in batch}) > 1, "the prompts must not all agree, or the check is weak"
+
+
+@pytest.mark.parametrize("max_runs", [8, 0])
+@pytest.mark.parametrize("spec", ["epic:2", "blend:0.3", "focus:0.3", "all", "rows"])
+def test_split_path_equals_the_masked_path(pc, spec, max_runs, monkeypatch):
+    """Recomputed rows on the split path (no dense mask: pcache_sdpa reads the rows) give the
+    logits of the dense-mask path they replace, to 1e-5, and the same decoded tokens; both
+    for runs of consecutive rows (max_runs=8) and through the small rows-by-cache mask (0)."""
+    import pcache_rag.models.attention as attention
+
+    monkeypatch.setattr(attention, "MAX_RUNS", max_runs)
+
+    parts, new = _parts(pc)
+    kvs = [kv for _, kv in parts]
+    if spec == "rows":
+        a = kvs[0].length
+        spec = Recompute.explicit([a + 1, a + 4] + list(range(a + kvs[1].length, a + kvs[1].length + 3)))
+    if pc.adapter.family == "alibi" and str(spec).startswith("focus"):
+        return  # refused by name for ALiBi (test_selected_set_equals_the_masked_reference)
+    calls = []
+    real = attention.recompute_attention
+    monkeypatch.setattr(attention, "recompute_attention", lambda *a: calls.append(1) or real(*a))
+    split = pc.prefill_parts(parts, new, recompute=spec)
+    if pc.adapter.family == "alibi":  # its bias comes with its mask: the dense path stays
+        assert not calls and split.recomputed_tokens > 0
+        return
+    split_tokens = pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids
+    assert calls, "the split path ran"
+    monkeypatch.setattr(pc.prefiller, "split_recompute", False)  # the dense-mask path
+    calls.clear()
+    masked = pc.prefill_parts(parts, new, recompute=spec)
+    assert not calls and masked.recomputed_tokens == split.recomputed_tokens > 0
+    assert (split.logits - masked.logits).abs().max().item() < 1e-5
+    assert pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids == split_tokens

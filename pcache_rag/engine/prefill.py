@@ -6,6 +6,8 @@ its mask, :mod:`pcache_rag.recompute` picks context rows to compute again, and o
 forward of the stock model computes them all. When nothing needs a mask beyond "every
 earlier key, and the new tokens causally", no mask is built: the attention's split path
 (:mod:`pcache_rag.models.attention`) serves the cache unmasked and the new tokens causally.
+Recomputed rows ride on it too (a mask of recomputed rows by cache rows only); PML
+parameters and ALiBi keep the dense mask.
 The same path carries calibrated attention (``ape:T:S``) on every cached key after the
 first unit.
 """
@@ -20,7 +22,7 @@ import torch
 
 from ..kv import ModuleKV, Workspace
 from ..models import UnsupportedModelError
-from ..models.attention import CalibratedSpan, Calibration, calibrated
+from ..models.attention import CalibratedSpan, Calibration, RecomputedRows, calibrated, recomputing
 from ..recompute import Recompute, recompute_mask, select_rows
 from .mask import query_layout
 from .types import PrefillResult
@@ -32,6 +34,9 @@ class Prefiller:
     def __init__(self, adapter, workspace: Workspace) -> None:
         self.adapter = adapter
         self.workspace = workspace
+        #: recomputed rows on the split path (no dense mask) where the attention allows it;
+        #: False forces the dense mask, the baseline ``bench all``'s recompute figure measures
+        self.split_recompute = True
 
     @torch.no_grad()
     def run(self, labels: Sequence[str], kvs: list[ModuleKV], args: Sequence[tuple[Any, Any, list[int]]],
@@ -48,7 +53,10 @@ class Prefiller:
         C, copied = ws.assemble(kvs, extra=q + len(rows) + reserve)
         t1 = time.perf_counter()
         plain = C == 0 and not args  # nothing cached: an ordinary causal prefill
-        split = not args and not rows and adapter.family != "alibi"  # the split path: no mask
+        # the split path, with no dense mask: new tokens over the cache, and recomputed rows
+        # where the attention is pcache_sdpa's (it reads which rows from recomputing())
+        split = not args and adapter.family != "alibi" and (
+            not rows or (self.split_recompute and getattr(adapter, "fast", False)))
         span = self.calibrated_span(kvs, calibration, bool(args), policy if rows else None)
         lay = query_layout(labels, [kv.length for kv in kvs], args, uncached_ids, uncached_positions, preamble,
                            need_mask=not (plain or split), attend_all=policy.kind == "all" and bool(rows))
@@ -59,21 +67,32 @@ class Prefiller:
         ids_t, pos_t = new_ids, new_pos
         nS = len(rows)
         rows_t = torch.tensor(rows, dtype=torch.long) if nS else None  # (nS,) only when rows are recomputed
+        rec = None
         if rows_t is not None:
             # Selected context rows join the query, before the new tokens (recompute.py).
-            assert allowed is not None
             ids_t = torch.cat([torch.cat([kv.token_ids for kv in kvs])[rows_t], new_ids])
             pos_t = torch.cat([torch.cat(cached_pos)[rows_t], new_pos])
-            allowed = recompute_mask(allowed, C, rows_t)
+            if allowed is None:  # the split path: the attention reads the rows, no mask is built
+                rec = RecomputedRows.of(rows_t, C, dev)
+            else:
+                allowed = recompute_mask(allowed, C, rows_t)
         if allowed is not None:
             allowed = allowed.to(dev)
         key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.family == "alibi" and not plain else None
         t2 = time.perf_counter()
-        with calibrated(span) as counter:
-            logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos)[-1]
+        with calibrated(span) as counter, recomputing(rec) as rec_counter:
+            try:
+                logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos)[-1]
+            except BaseException:
+                if rec is not None:  # fresh rows may stand in place of stored ones: trust nothing resident
+                    ws.invalidate()
+                raise
         if span is not None and counter.calls == 0:
             raise UnsupportedModelError(f"calibrated attention: {type(adapter.model).__name__} does not run its "
                                         "attention through pcache_sdpa")
+        if rec is not None and rec_counter.calls == 0:  # the adapter said it does: a broken promise
+            raise UnsupportedModelError(f"recompute: {type(adapter.model).__name__} did not run its attention "
+                                        "through pcache_sdpa")
         if rows_t is not None:
             ws.replace_rows(rows_t.to(dev), C, nS, q)
         t3 = time.perf_counter()

@@ -8,6 +8,7 @@ Writes ``benchmarks.md`` (machine, date, versions; a table and a PNG plot per fi
   the GPU device tier when the model runs on CUDA), with the floor (the new tokens alone);
 * ``fraction``: TTFT against the cached share of a prompt of fixed length (the experiment the
   paper lacks);
+* ``recompute``: TTFT of each recompute mode against full prefill, split path against dense mask;
 * ``size``: the TTFT ratio against model size, on random-initialised Llama shapes;
 * ``encoding``: encoding cost, the break-even number of reuses, ingest throughput, and
   whether encoding several chunks in one batch pays;
@@ -58,6 +59,8 @@ class Sizes:
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     repeats: int = 3
     fraction_tokens: int = 2048
+    recompute_tokens: int = 1728
+    recompute_modes: tuple[str, ...] = ("none", "epic:16", "blend:0.15", "focus:0.15", "all")
     fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.75, 0.875, 1.0)
     size_lengths: tuple[int, ...] = (2048, 8192)
     size_models: tuple[str, ...] = ("llama-30M", "smollm2-135M", "smollm2-360M", "tinyllama-1.1B")
@@ -70,7 +73,7 @@ class Sizes:
 
 QUICK = Sizes(lengths=(128, 256), repeats=1, fraction_tokens=256, fractions=(0.0, 0.5, 1.0), size_lengths=(128,),
               size_models=("tiny-a", "tiny-b"), chunk_sizes=(64, 128), batch_sizes=(1, 2), ingest_files=3,
-              scaffold_questions=2, doc_tokens=64)
+              scaffold_questions=2, doc_tokens=64, recompute_tokens=256, recompute_modes=("none", "epic:4"))
 
 #: Llama shapes for the size sweep: public models' shapes (random weights, no download) and
 #: two tiny ones for ``--quick``. (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -286,6 +289,54 @@ def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
         log(f"[fraction] {f:.0%} cached: {t * 1e3:.0f} ms (x{base / t:.1f})")
     fig.notes.append("The cached share is a prefix of modules; the rest of the context and the question are "
                      "computed, attending to everything before them. 0% is a full prefill.")
+    return fig
+
+
+def fig_recompute(model, tok, sz: Sizes, device, log) -> Figure:
+    """TTFT of each recompute mode against full prefill at ~1,700 tokens, with recomputed rows
+    on the split path (no dense mask) and, for the baseline, through the dense mask."""
+    from ..engine import PromptCache
+
+    pc = PromptCache(model, tok, store_dtype=None, max_tokens=sz.recompute_tokens + 512)
+    n_mod = 4
+    per = (sz.recompute_tokens - 64 - QUESTION_TOKENS) // n_mod
+    ctx = _context_ids(tok, 64 + n_mod * per)
+    parts = _modules(pc, ctx[:64], 64) + [
+        (f"d{i}", pc.encode(ctx[64 + i * per : 64 + (i + 1) * per], list(range(64 + i * per, 64 + (i + 1) * per))))
+        for i in range(n_mod)]
+    q = _context_ids(tok, QUESTION_TOKENS, seed=7)
+    full_ids = ctx + q
+    N = len(full_ids)
+    fig = Figure("recompute", f"Time to first token of each recompute mode at {N} tokens",
+                 ["mode", "recomputed tokens", "TTFT ms (split path)", "TTFT ms (dense mask)",
+                  "speed-up vs full prefill (split)", "speed-up vs full prefill (dense)"])
+
+    def full():
+        pc.full_prefill(torch.tensor(full_ids))
+        _sync(device)
+
+    base = median(full, sz.repeats)
+    fig.rows.append(["full prefill", N, base * 1e3, base * 1e3, 1.0, 1.0])
+    for mode in sz.recompute_modes:
+        times, n_rows = [], 0
+        for split in (True, False):
+            pc.prefiller.split_recompute = split
+
+            def run():
+                nonlocal n_rows
+                pc.workspace.invalidate()
+                n_rows = pc.prefill_parts(parts, q, recompute=mode).recomputed_tokens
+                _sync(device)
+
+            times.append(median(run, sz.repeats))
+        pc.prefiller.split_recompute = True
+        fig.rows.append([mode, n_rows, times[0] * 1e3, times[1] * 1e3, base / times[0], base / times[1]])
+        log(f"[recompute] {mode}: {times[0] * 1e3:.0f} ms split, {times[1] * 1e3:.0f} ms dense "
+            f"(x{base / times[0]:.1f} vs x{base / times[1]:.1f} full prefill)")
+    fig.notes.append(f"A {64}-token preamble and {n_mod} modules of {per} tokens, encoded apart, then a "
+                     f"{QUESTION_TOKENS}-token question. Split path: the recomputed rows and the question attend "
+                     "without a dense mask (one mask of recomputed rows by cache rows); dense mask: the same "
+                     "forward with the full boolean mask. Full prefill: the same tokens, nothing reused.")
     return fig
 
 
@@ -505,6 +556,13 @@ def _plot(fig: Figure, out: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("cached share of the prompt (%)")
         ax.set_ylabel("time to first token (ms)")
+    elif fig.key == "recompute":
+        names = [r[0] for r in fig.rows[1:]]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [r[4] for r in fig.rows[1:]], width=0.4, label="split path")
+        ax.bar([x + 0.2 for x in xs], [r[5] for r in fig.rows[1:]], width=0.4, label="dense mask")
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("TTFT speed-up vs full prefill")
     elif fig.key == "size":
         for n in sorted({r[2] for r in fig.rows}):
             pts = [r for r in fig.rows if r[2] == n]
@@ -593,6 +651,9 @@ def headline(figs: list[Figure]) -> list[tuple[str, str]]:
         if "disk cold ms" in c:
             out.append((f"cold disk against memory at {_k(top[0])}",
                         f"{top[c['disk cold ms']]:.0f} ms vs {top[c['memory ms']]:.0f} ms"))
+    if "recompute" in by and by["recompute"].rows:
+        out.append(("TTFT speed-up by recompute mode (split path; dense mask)",
+                    " · ".join(f"{r[0]}: {_x(r[4])} ({_x(r[5])})" for r in by["recompute"].rows[1:])))
     if "fraction" in by and by["fraction"].rows:
         rows = by["fraction"].rows
         out.append(("TTFT speed-up by cached share of the prompt",
@@ -674,6 +735,7 @@ def run_all(model_path=None, quick: bool = False, device: str = "cpu", out="docs
         length, raw["length"] = fig_length(model, tok, sz, device, kv_url, work, log)
         figs.append(length)
         figs.append(fig_fraction(model, tok, sz, device, log))
+        figs.append(fig_recompute(model, tok, sz, device, log))
         figs.append(fig_size(tok, sz, device, log))
         enc, thr, raw["ingest"] = fig_encoding(model, tok, sz, device, work, log)
         figs += [enc, thr]

@@ -16,6 +16,11 @@ softmaxes over each set). On CPU the pieces run on PyTorch's flash kernel, which
 the LSE (``aten._scaled_dot_product_flash_attention_for_cpu``); elsewhere on a float32
 math path.
 
+**Recomputed rows** (:func:`recompute_attention`) ride on the split too, inside
+:func:`recomputing`: the rows' fresh keys replace their stale ones in place, runs of
+consecutive rows attend to the cache before them unmasked and to themselves causally, and
+the new tokens see the whole cache; only a scattered selection needs a (small) mask.
+
 **Calibrated attention** (APE, arXiv 2502.05431) rides on the same split. Inside
 :func:`calibrated`, the keys of one cached range (the documents, after the shared
 preamble) get logits ``s/T + (S*T - 1) * LSE(s/T)`` on every query row, so that range's
@@ -53,6 +58,10 @@ def pcache_sdpa(
     probe = getattr(_probing, "probe", None)
     if probe is not None:
         probe.add(query, key, attention_mask, scaling)
+    rec = getattr(_recomputing, "spec", None)
+    if attention_mask is None and rec is not None:
+        _recomputing.counter.calls += 1
+        return recompute_attention(query, key, value, scaling, rec), None
     cal = getattr(_calibrating, "span", None)
     if attention_mask is None and (cal is not None or q < kv and q > 1):
         if q > kv:
@@ -125,13 +134,51 @@ def calibrated(span: CalibratedSpan | None):
     """Forwards of this thread inside the block attend with ``span``'s calibration, through
     the split path. Yields a counter: ``.calls`` is how many attention calls applied it (0
     after a forward means the model's attention does not run through ``pcache_sdpa``)."""
-    prev = getattr(_calibrating, "span", None), getattr(_calibrating, "counter", None)
+    with _scoped(_calibrating, "span", span) as counter:
+        yield counter
+
+
+@contextmanager
+def _scoped(local: threading.local, name: str, value):
+    """Set ``local.<name>`` (and a fresh call counter) for the block, then restore both."""
+    prev = getattr(local, name, None), getattr(local, "counter", None)
     counter = _Counter()
-    _calibrating.span, _calibrating.counter = span, counter
+    setattr(local, name, value)
+    local.counter = counter
     try:
         yield counter
     finally:
-        _calibrating.span, _calibrating.counter = prev
+        setattr(local, name, prev[0])
+        local.counter = prev[1]
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputedRows:
+    """A recompute forward: its query starts with the cache ``rows`` (n,) computed again, whose
+    fresh keys are written after the ``C`` assembled ones, then the new tokens."""
+
+    rows: torch.Tensor  # (n,) long, ascending, on the model's device
+    C: int
+    spans: tuple[tuple[int, int], ...] = ()  # the runs of consecutive rows, [a, b); see of()
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, C: int, device) -> RecomputedRows:
+        """``rows`` (n,) ascending, with its runs of consecutive rows found once (on the host)."""
+        r = rows.tolist()
+        spans, a = [], 0
+        for i in range(1, len(r) + 1):
+            if i == len(r) or r[i] != r[i - 1] + 1:
+                spans.append((r[a], r[i - 1] + 1))
+                a = i
+        return cls(rows.to(device), C, tuple(spans))
+
+
+@contextmanager
+def recomputing(spec: RecomputedRows | None):
+    """Forwards of this thread inside the block attend as ``spec`` says, with no dense mask
+    (:func:`recompute_attention`). Yields a counter of the attention calls that did."""
+    with _scoped(_recomputing, "spec", spec) as counter:
+        yield counter
 
 
 def _attend(query, key, value, scale: float, causal: bool):
@@ -166,11 +213,75 @@ def split_attention(
 ) -> torch.Tensor:
     """Each query row attends to every key before the query block and causally inside it,
     with ``span``'s keys calibrated; merged by log-sum-exp. Returns (B, q, H, Dv)."""
+    q = query.shape[2]
+    before = key.shape[2] - q
+    return _split(query, key[:, :, :before], value[:, :, :before], key[:, :, before:], value[:, :, before:],
+                  scaling, span)
+
+
+def recompute_attention(
+    query: torch.Tensor,  # (B, H, n + q, D): the n recomputed cache rows, then the q new tokens
+    key: torch.Tensor,  # (B, H_kv, C + n + q, D): the assembled cache, the fresh rows, the new tokens
+    value: torch.Tensor,  # (B, H_kv, C + n + q, Dv)
+    scaling: float | None,
+    rec: RecomputedRows,
+) -> torch.Tensor:
+    """Exactly :func:`pcache_rag.recompute.recompute_mask`'s attention, without its dense mask.
+
+    Each recomputed row's fresh keys are first written over its stale ones, in place (the
+    workspace gets them after the forward anyway: :meth:`~pcache_rag.kv.Workspace.replace_rows`),
+    so the cache reads in cache order. A run of consecutive recomputed rows ``[a, b)`` then
+    attends to the cache before it unmasked and to itself causally (the whole cache, for
+    ``all``: one causal pass); more than :data:`MAX_RUNS` runs (a scattered selection) use
+    one small mask of recomputed rows by cache rows instead. The new tokens attend to the
+    whole cache unmasked and to themselves causally. Every piece is merged by log-sum-exp.
+    Returns (B, n + q, H, Dv)."""
+    B, H, nq, D = query.shape
+    Hkv = key.shape[1]
+    G = H // Hkv
+    rows, C = rec.rows, rec.C
+    n = rows.shape[0]
+    key[:, :, :C].index_copy_(2, rows, key[:, :, C : C + n])  # fresh rows in place of the stale ones
+    value[:, :, :C].index_copy_(2, rows, value[:, :, C : C + n])
+    kc, vc = key[:, :, :C], value[:, :, :C]
+    runs = rec.spans
+    if len(runs) <= MAX_RUNS:
+        outs, i = [], 0
+        for a, b in runs:  # query rows i .. i + (b - a) are cache rows a .. b
+            m = b - a
+            outs.append(_split(query[:, :, i : i + m], kc[:, :, :a], vc[:, :, :a], kc[:, :, a:b], vc[:, :, a:b],
+                               scaling, None))
+            i += m
+        rows_out = torch.cat(outs, dim=1)  # (B, n, H, Dv)
+    else:
+        allowed = torch.arange(C, device=query.device)[None, :] <= rows[:, None]  # (n, C)
+        qr = query[:, :, :n].reshape(B, Hkv, G * n, D)  # rows ordered (group member, token)
+        rows_out = F.scaled_dot_product_attention(qr, kc, vc, attn_mask=allowed.repeat(G, 1)[None, None],
+                                                  scale=scaling).reshape(B, H, n, -1).transpose(1, 2)
+    new_out = _split(query[:, :, n:], kc, vc, key[:, :, C + n :], value[:, :, C + n :], scaling, None)
+    return torch.cat([rows_out.to(new_out.dtype), new_out], dim=1).contiguous()  # (B, n + q, H, Dv)
+
+
+#: a selection in more runs of consecutive rows than this attends through one small mask
+MAX_RUNS = 8
+
+
+def _split(
+    query: torch.Tensor,  # (B, H, q, D)
+    key: torch.Tensor,  # (B, H_kv, before, D): every row attends to all of these
+    value: torch.Tensor,  # (B, H_kv, before, Dv)
+    kb: torch.Tensor,  # (B, H_kv, q, D): the query block's own keys, attended causally
+    vb: torch.Tensor,  # (B, H_kv, q, Dv)
+    scaling: float | None,
+    span: CalibratedSpan | None,
+) -> torch.Tensor:
+    """The split path's body: unmasked ranges of ``key`` and the causal block, merged by
+    log-sum-exp. Returns (B, q, H, Dv)."""
     B, H, q, D = query.shape
-    Hkv, kv = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     G = H // Hkv
     sc = scaling if scaling is not None else D**-0.5
-    before = kv - q
+    before = key.shape[2]
     # (start, end, scale, LSE multiplier) of each unmasked range before the block
     ranges = [(0, before, sc, 1.0)]
     if span is not None:
@@ -185,8 +296,7 @@ def split_attention(
         o, lse = _attend(folded, key[:, :, a:b], value[:, :, a:b], scale, False)
         outs.append(o.reshape(B, H, q, -1))
         lses.append(lse.reshape(B, H, q) * mult)
-    kb, vb = key[:, :, before:], value[:, :, before:]  # the block itself: q keys, repeated for the groups
-    if G > 1:
+    if G > 1:  # the block itself: q keys, repeated for the groups
         kb, vb = kb.repeat_interleave(G, dim=1), vb.repeat_interleave(G, dim=1)
     o, lse = _attend(query, kb, vb, sc, True)
     outs.append(o)
@@ -231,6 +341,7 @@ class AttentionProbe:
 
 #: the calibrated span of this thread's forwards, if any (set by :func:`calibrated`)
 _calibrating = threading.local()
+_recomputing = threading.local()
 #: the probe of this thread's forward, if any (another thread's forwards are not probed)
 _probing = threading.local()
 
