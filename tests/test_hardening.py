@@ -131,7 +131,10 @@ def _ask_then_ingest(smol, index: Path, pristine, what: str) -> None:
     rag.close()
 
 
-@pytest.mark.parametrize("mode", ["flip", "truncate", "delete"])
+# delete runs by default; flip and truncate are `make test-slow` (flipped bytes are covered by
+# test_2_every_file_above_4kb_flipped in the default run too)
+@pytest.mark.parametrize("mode", [pytest.param("flip", marks=pytest.mark.slow),
+                                  pytest.param("truncate", marks=pytest.mark.slow), "delete"])
 def test_fault_injection_every_file_of_an_index(smol, pristine, tmp_path, mode):
     files = [p.relative_to(pristine[0]) for p in sorted(pristine[0].rglob("*")) if p.is_file()]
     assert any(f.name == "chroma.sqlite3" for f in files) and any(f.suffix == ".val" for f in files)
