@@ -341,13 +341,12 @@ class PromptCacheSynthesizer(BaseSynthesizer):
 
     def synthesize(self, query, nodes, additional_source_nodes=None, **response_kwargs):
         r = super().synthesize(query, nodes, additional_source_nodes, **response_kwargs)
-        if self._streaming and getattr(r, "response_gen", None) is not None:
-            deltas = r.response_gen
-
-            def with_stats():  # the statistics exist once the answer is decoded: then they join
+        deltas = getattr(r, "response_gen", None)
+        if self._streaming and isinstance(deltas, _Deltas):
+            def with_stats():  # this call's statistics join once its answer is decoded
                 yield from deltas
-                if getattr(self, "last_stats", None):
-                    r.metadata = {**(r.metadata or {}), "pcache": self.last_stats}
+                if deltas.stats:
+                    r.metadata = {**(r.metadata or {}), "pcache": deltas.stats}
 
             r.response_gen = with_stats()
         elif getattr(self, "last_stats", None):
@@ -373,14 +372,7 @@ class PromptCacheSynthesizer(BaseSynthesizer):
         it = self._responses(query_str, text_chunks, **kwargs)
         self.last_stats = None
         if self._streaming:
-            def deltas():
-                last = None
-                for last in it:
-                    if last.delta:
-                        yield last.delta
-                if last is not None:
-                    self.last_stats = last.additional_kwargs
-            return deltas()
+            return _Deltas(it, self)
         last = None
         for last in it:
             pass
@@ -394,6 +386,31 @@ class PromptCacheSynthesizer(BaseSynthesizer):
         last = (await asyncio.to_thread(list, it))[-1]
         self.last_stats = last.additional_kwargs
         return last.message.content if isinstance(last, ChatResponse) else last.text
+
+
+class _Deltas(Generator):
+    """An answer's text deltas; once exhausted, ``stats`` holds this call's statistics (kept
+    per call, so concurrent streams on one synthesizer do not mix). A ``Generator`` by its ABC,
+    which is what LlamaIndex checks for a streamed answer."""
+
+    def __init__(self, responses, synth: PromptCacheSynthesizer) -> None:
+        self._it = iter(responses)
+        self._synth = synth
+        self.stats: dict | None = None
+
+    def send(self, value: None) -> str:
+        while True:
+            r = next(self._it)  # StopIteration ends the answer
+            if r.delta:
+                return r.delta
+            if r.additional_kwargs:  # the last response carries the statistics
+                self.stats = self._synth.last_stats = r.additional_kwargs
+
+    def throw(self, typ, val=None, tb=None):
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+        raise val if val is not None else typ()
 
 
 class _AsyncDeltas(AsyncGenerator):
