@@ -49,3 +49,14 @@ def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
     out = capsys.readouterr().out
     assert "4417" in out and "gates.md" in out
     assert last_output(smol).cached_tokens > 0
+
+
+def test_structured_output_example_runs(smol, capsys):
+    import textwrap
+
+    from pcache_rag.frameworks import register_engine
+
+    register_engine(smol)  # the default config's engine: the session's model, an in-memory store
+    exec(compile(textwrap.dedent(_framework_block("* **Structured output.**")), "README.md:structured", "exec"), {})
+    out = capsys.readouterr().out
+    assert "code=4417" in out, out
