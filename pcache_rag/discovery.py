@@ -122,7 +122,11 @@ class KnownTexts:
         try:
             self._journal.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(self._journal) + ".lock", timeout=30), open(self._journal, "ab") as f:
+                start = f.seek(0, os.SEEK_END)
                 f.write(data)
+            with self._lock:
+                if start == self._read_to:  # nobody appended since the last look: no need to read our own lines
+                    self._read_to = start + len(data)
         except OSError as e:  # a read-only states folder: this process still knows them
             log.warning("could not record %d known document(s) in %s: %s", len(texts), self._journal, e)
 

@@ -114,6 +114,18 @@ def structured(response_format: Mapping[str, Any] | None) -> Structured | None:
     raise ValueError(f"response_format type {kind!r} is not supported (use text, json_object or json_schema)")
 
 
+def resolve(response_format: Mapping[str, Any] | None = None, grammar: str | None = None) -> tuple[str | None, str]:
+    """``(grammar, instruction for the prompt)`` of a call that gives a ``response_format``
+    (:func:`structured`) or a raw ``grammar`` (no instruction: the caller wrote the prompt), or
+    neither; both at once is a :class:`ValueError`."""
+    fmt = structured(response_format)
+    if fmt is None:
+        return grammar, ""
+    if grammar is not None:
+        raise ValueError("give response_format or grammar, not both")
+    return fmt.grammar, fmt.instruction
+
+
 def with_instruction(turns: list[tuple[str, str]], instruction: str) -> list[tuple[str, str]]:
     """``(role, text)`` chat turns with ``instruction`` after the last user message (or as a
     user message of its own when there is none)."""
@@ -215,4 +227,4 @@ class Constraint:
         return bool(self._matcher.is_accepting())
 
 
-__all__ = ["Constraint", "JSON_INSTRUCTION", "JSON_LAYOUT", "SCHEMA_INSTRUCTION", "Structured", "StructuredOutputWarning", "structured", "check", "closed", "json_grammar", "lark_grammar", "ll_tokenizer", "regex_grammar", "warm", "with_instruction"]
+__all__ = ["Constraint", "JSON_INSTRUCTION", "JSON_LAYOUT", "SCHEMA_INSTRUCTION", "Structured", "StructuredOutputWarning", "structured", "check", "closed", "json_grammar", "lark_grammar", "ll_tokenizer", "regex_grammar", "resolve", "warm", "with_instruction"]

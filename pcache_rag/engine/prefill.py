@@ -94,7 +94,10 @@ class Prefiller:
             raise UnsupportedModelError(f"recompute: {type(adapter.model).__name__} did not run its attention "
                                         "through pcache_sdpa")
         if rows_t is not None:
-            ws.replace_rows(rows_t.to(dev), C, nS, q)
+            # On the split path the attention already wrote the fresh rows over the stale ones in
+            # the workspace's key views; replace_rows writes them again (n rows a layer), which
+            # keeps the result right for a model whose attention received copies, and moves the tail.
+            ws.replace_rows(rec.rows if rec is not None else rows_t.to(dev), C, nS, q)
         t3 = time.perf_counter()
         return PrefillResult(
             logits=logits,

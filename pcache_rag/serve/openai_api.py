@@ -34,7 +34,7 @@ import uuid
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from ..grammar import structured, with_instruction
+from ..grammar import resolve, with_instruction
 from .http import body_json, events_of, first_event
 from .service import RequestError
 
@@ -180,7 +180,7 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
     notes: list[str] = []
     gen = _sampling(data, notes, "max_completion_tokens")
     try:
-        fmt = structured(data.get("response_format"))
+        grammar, instruction = resolve(data.get("response_format"))
     except ValueError as e:
         raise RequestError(str(e), param="response_format", code="invalid_value") from None
     turns = []
@@ -190,10 +190,8 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
             raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
                                "assistant)", param="messages")
         turns.append((role, _text(m.get("content"))))
-    instruction = ""
-    if fmt is not None:  # decoding follows the schema's grammar; the model reads the schema too
-        gen["grammar"] = fmt.grammar
-        instruction = fmt.instruction
+    if grammar is not None:  # decoding follows the schema's grammar; the model reads the schema too
+        gen["grammar"] = grammar
     if plain:
         return True, with_instruction(turns, instruction), gen, None, notes
     # the RAG model: the last user message is the question, retrieval runs on it alone; the

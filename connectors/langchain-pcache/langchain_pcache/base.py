@@ -44,7 +44,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
 from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
-from pcache_rag.grammar import structured, with_instruction
+from pcache_rag.grammar import resolve, with_instruction
 
 if TYPE_CHECKING:
     from pcache_rag.frameworks import Assembler, CachedOutput
@@ -102,15 +102,11 @@ class _EngineConfig:
             raise TypeError(f"{name} does not support: {', '.join(sorted(unknown))}")
         if kwargs.get("model", self.model) != self.model:
             raise ValueError(f"this {name} serves {self.model!r}, not {kwargs['model']!r}")
-        fmt = structured(kwargs.get("response_format"))
-        if fmt is not None and kwargs.get("grammar") is not None:
-            raise ValueError(f"{name}: give response_format or grammar, not both")
+        grammar, instruction = resolve(kwargs.get("response_format"), kwargs.get("grammar"))
         gen = sampling(kwargs.get("max_tokens", self.max_tokens), kwargs.get("temperature", self.temperature),
                        kwargs.get("top_p", self.top_p), kwargs.get("seed", self.seed),
-                       stop if stop is not None else self.stop,
-                       grammar=fmt.grammar if fmt is not None else kwargs.get("grammar"))
-        return {**gen, "recompute": kwargs.get("recompute", self.recompute),
-                "instruction": fmt.instruction if fmt is not None else ""}
+                       stop if stop is not None else self.stop, grammar=grammar)
+        return {**gen, "recompute": kwargs.get("recompute", self.recompute), "instruction": instruction}
 
     def _asm(self) -> Assembler:
         if self._assembler is None:

@@ -52,7 +52,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
 from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
-from pcache_rag.grammar import json_grammar, structured, with_instruction
+from pcache_rag.grammar import json_grammar, resolve, with_instruction
 
 if TYPE_CHECKING:
     from pcache_rag.frameworks import Assembler, CachedOutput
@@ -138,14 +138,11 @@ class PromptCacheLLM(CustomLLM):
                                  "response_format", "grammar"}
         if unknown:
             raise TypeError(f"PromptCacheLLM does not support: {', '.join(sorted(unknown))}")
-        fmt = structured(kwargs.get("response_format"))
-        if fmt is not None and kwargs.get("grammar") is not None:
-            raise ValueError("PromptCacheLLM: give response_format or grammar, not both")
+        grammar, instruction = resolve(kwargs.get("response_format"), kwargs.get("grammar"))
         n = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
         gen = sampling(n, kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
-                       kwargs.get("seed", self.seed), kwargs.get("stop", self.stop),
-                       grammar=fmt.grammar if fmt is not None else kwargs.get("grammar"))
-        return gen, kwargs.get("recompute", self.recompute), fmt.instruction if fmt is not None else ""
+                       kwargs.get("seed", self.seed), kwargs.get("stop", self.stop), grammar=grammar)
+        return gen, kwargs.get("recompute", self.recompute), instruction
 
     def _turns(self, messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
         msgs = []
@@ -388,23 +385,34 @@ class PromptCacheSynthesizer(BaseSynthesizer):
         return last.message.content if isinstance(last, ChatResponse) else last.text
 
 
-class _Deltas(Generator):
-    """An answer's text deltas; once exhausted, ``stats`` holds this call's statistics (kept
-    per call, so concurrent streams on one synthesizer do not mix). A ``Generator`` by its ABC,
-    which is what LlamaIndex checks for a streamed answer."""
+class _StatsTap:
+    """Text deltas of one answer's responses; the last response's statistics are kept in
+    ``stats`` (per call, so concurrent streams on one synthesizer do not mix them)."""
 
-    def __init__(self, responses, synth: PromptCacheSynthesizer) -> None:
-        self._it = iter(responses)
+    def __init__(self, synth: PromptCacheSynthesizer) -> None:
         self._synth = synth
         self.stats: dict | None = None
 
+    def _take(self, r) -> str | None:
+        """``r``'s delta, or None after keeping the statistics the last response carries."""
+        if r.delta:
+            return r.delta
+        if r.additional_kwargs:
+            self.stats = self._synth.last_stats = r.additional_kwargs
+        return None
+
+
+class _Deltas(_StatsTap, Generator):
+    """A ``Generator`` by its ABC, which is what LlamaIndex checks for a streamed answer."""
+
+    def __init__(self, responses, synth: PromptCacheSynthesizer) -> None:
+        super().__init__(synth)
+        self._it = iter(responses)
+
     def send(self, value: None) -> str:
-        while True:
-            r = next(self._it)  # StopIteration ends the answer
-            if r.delta:
-                return r.delta
-            if r.additional_kwargs:  # the last response carries the statistics
-                self.stats = self._synth.last_stats = r.additional_kwargs
+        while (d := self._take(next(self._it))) is None:  # StopIteration ends the answer
+            pass
+        return d
 
     def throw(self, typ, val=None, tb=None):
         close = getattr(self._it, "close", None)
@@ -413,23 +421,17 @@ class _Deltas(Generator):
         raise val if val is not None else typ()
 
 
-class _AsyncDeltas(AsyncGenerator):
-    """An answer's text deltas, advanced in worker threads; once exhausted, ``stats`` holds
-    this call's statistics (kept per call: concurrent queries on one synthesizer do not mix).
-    An ``AsyncGenerator`` by its ABC, which is what LlamaIndex checks for a streamed answer."""
+class _AsyncDeltas(_StatsTap, AsyncGenerator):
+    """An ``AsyncGenerator`` by its ABC, advanced in worker threads (the engine allows that)."""
 
     def __init__(self, responses, synth: PromptCacheSynthesizer) -> None:
+        super().__init__(synth)
         self._it = _athread(responses)
-        self._synth = synth
-        self.stats: dict | None = None
 
     async def asend(self, value: None) -> str:
-        while True:
-            r = await self._it.__anext__()  # StopAsyncIteration ends the answer
-            if r.delta:
-                return r.delta
-            if r.additional_kwargs:  # the last response carries the statistics
-                self.stats = self._synth.last_stats = r.additional_kwargs
+        while (d := self._take(await self._it.__anext__())) is None:  # StopAsyncIteration ends it
+            pass
+        return d
 
     async def athrow(self, typ, val=None, tb=None):
         await self._it.aclose()
