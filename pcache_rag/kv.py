@@ -5,7 +5,9 @@ over layers so one copy moves a whole module. ``Workspace`` is the buffered
 concatenation of the paper: per-layer buffers allocated once and reused
 across prompts; a prompt's modules are copied in (or found already there from
 the previous prompt), and new tokens are written after them in place, so the
-forward pass never concatenates or copies the assembled cache.
+forward pass never concatenates or copies the assembled cache. ``RequestKV`` is one
+request's own rows while it decodes in a batch (its assembled cache copied out of the
+workspace after its prefill, and room for its answer).
 """
 
 from __future__ import annotations
@@ -253,3 +255,45 @@ class Workspace:
 
     def invalidate(self) -> None:
         self._resident = []
+
+
+class RequestKV:
+    """One request's own states while it decodes in a batch: its first ``length`` rows are
+    its assembled cache and computed tokens, the rest is room for what comes next."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        self.k = k  # (n_layers, n_kv_heads, capacity, head_dim)
+        self.v = v  # (n_layers, n_kv_heads, capacity, head_dim_v)
+        self.length = length
+
+    @classmethod
+    def from_workspace(cls, ws: Workspace, extra: int) -> RequestKV:
+        """A copy of the workspace's current rows, with room for ``extra`` more."""
+        T = ws.layers[0].length
+        L, H, D, Dv = ws.shape
+        k = torch.empty((L, H, T + extra, D), dtype=ws.dtype, device=ws.device)
+        v = torch.empty((L, H, T + extra, Dv), dtype=ws.dtype, device=ws.device)
+        k[:, :, :T].copy_(ws.k[:, 0, :, :T])
+        v[:, :, :T].copy_(ws.v[:, 0, :, :T])
+        return cls(k, v, T)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def cache(self) -> Cache:
+        """A transformers ``Cache`` over these rows (no copy): a forward writes after ``length``;
+        read the new length back with :meth:`sync`."""
+        layers: list = []
+        for i in range(self.k.shape[0]):
+            layer = BufferLayer(self.k[i][None], self.v[i][None])  # (1, H, capacity, D) views
+            layer.set_length(self.length)
+            layers.append(layer)
+        return Cache(layers=layers)
+
+    def sync(self, cache: Cache) -> None:
+        """Take the length a forward over :meth:`cache` left."""
+        self.length = cache.layers[0].length  # type: ignore[attr-defined]  # BufferLayer

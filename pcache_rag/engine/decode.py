@@ -1,5 +1,6 @@
-"""Decoding after a prefill: sampling settings, the sampler, stop strings, and the
-:class:`Generation` a stream returns.
+"""Decoding after a prefill: sampling settings, the sampler, stop strings, one sequence's
+decoding state (:class:`Decoding`, which the solo loop and the batch scheduler both drive),
+and the :class:`Generation` a stream returns.
 
 A :class:`Generation` is an iterator of text deltas that, once exhausted, holds its
 :class:`~pcache_rag.engine.types.GenerationOutput` in ``.output``: the stream's statistics
@@ -12,13 +13,11 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..kv import BufferLayer
 from ..models.attention import calibrated
 from .types import FinishReason, GenerationOutput, PrefillResult
 
@@ -144,84 +143,134 @@ class Generation(Iterator[str]):
             close()
 
 
-@dataclass(slots=True)
-class Prefilled:
-    """One prompt of a batch after its own prefill: its first token and its states."""
+class Decoding:
+    """One sequence's decoding state. :meth:`push` takes the logits after the last token,
+    samples the next one (greedy, or seeded sampling; a grammar masks the logits first),
+    decides whether the answer ended (the model's end token, a stop string, the grammar
+    complete, ``max_new_tokens``) and returns the text that may be emitted now. The solo loop
+    (:meth:`Decoder.stream`) and the batch scheduler (:mod:`.scheduler`) both drive it, so a
+    request decodes the same way alone or in a batch."""
 
-    res: PrefillResult
-    tok: int  # the first (greedy) token
-    ttft: float
-    t0: float
-    T: int  # cache length after the prefill
-    next_pos: int  # the position of the first generated token
-    k: torch.Tensor | None = field(default=None, repr=False)  # (L, H, T, D)
-    v: torch.Tensor | None = field(default=None, repr=False)  # (L, H, T, Dv)
+    def __init__(self, tokenizer, eos: set[int], params: SamplingParams, vocab: int, t0: float) -> None:
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.params = params
+        self.t0 = t0
+        self.gen: torch.Generator | None = None
+        if params.do_sample:
+            seed = params.seed if params.seed is not None else random.randrange(1 << 62)
+            self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.constraint = None
+        if params.grammar is not None:
+            from ..grammar import Constraint
+
+            self.constraint = Constraint(tokenizer, params.grammar, vocab)
+        self.tokens: list[int] = []
+        self.emitted = ""
+        self.finish: FinishReason = "length"
+        self.ttft: float | None = None
+        self.last = -1  # the token just sampled: the next step's input
+        self.done = False
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def push(self, logits: torch.Tensor) -> str:
+        """Sample from ``logits`` (vocab,); returns the text delta that may be emitted now
+        (maybe empty). Afterwards ``done`` says whether the answer ended."""
+        p, c = self.params, self.constraint
+        if c is not None:
+            logits = c.apply(logits)
+        tok = sample(logits, p, self.gen)
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        self.last = tok
+        if tok in self.eos:
+            self.finish, self.done = "eos", True
+            return self._flush()
+        if c is not None:
+            c.advance(tok)
+        self.tokens.append(tok)
+        text = self._text()
+        cut = first_stop(text, p.stop)
+        if cut >= 0:
+            delta = text[len(self.emitted) : cut] if cut > len(self.emitted) else ""
+            self.emitted = text[:cut]
+            self.finish, self.done = "stop", True
+            return delta
+        safe = safe_length(text, p.stop)
+        delta = ""
+        if safe > len(self.emitted):
+            delta, self.emitted = text[len(self.emitted) : safe], text[:safe]
+        if c is not None and c.done:  # nothing may follow: the answer is whole
+            self.finish, self.done = "eos", True
+        elif len(self.tokens) >= p.max_new_tokens:
+            self.done = True
+        return delta + self._flush() if self.done else delta
+
+    def _flush(self) -> str:
+        """At the end (not on a stop string): the text held back so far."""
+        text = self._text()
+        delta = text[len(self.emitted) :] if len(text) > len(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+    @property
+    def cut_short(self) -> bool:
+        """A grammar-constrained answer that reached ``max_new_tokens`` before it was complete."""
+        return self.constraint is not None and self.finish == "length" and not self.constraint.accepting
+
+    def warn_if_cut(self, stacklevel: int = 3) -> None:
+        """Raise :class:`~pcache_rag.grammar.StructuredOutputWarning` in the caller's thread if
+        :attr:`cut_short`."""
+        if self.cut_short:
+            from ..grammar import StructuredOutputWarning
+
+            warnings.warn(f"the answer reached max_new_tokens={self.params.max_new_tokens} before its grammar was "
+                          "complete: it is cut short (raise the token limit)", StructuredOutputWarning,
+                          stacklevel=stacklevel)
+
+    def output(self, res: PrefillResult, computed_extra: int = 0, decode_batch: int = 1,
+               unbatched: str = "") -> GenerationOutput:
+        """The finished :class:`GenerationOutput` (``computed_extra``: tokens prefilled in later
+        chunks, beyond ``res``)."""
+        now = time.perf_counter()
+        return GenerationOutput(
+            text=self.emitted, token_ids=self.tokens, ttft_s=self.ttft if self.ttft is not None else now - self.t0,
+            cached_tokens=res.cached_tokens, computed_tokens=res.computed_tokens + computed_extra,
+            total_s=now - self.t0, finish_reason=self.finish, recomputed_tokens=res.recomputed_tokens,
+            decode_batch=decode_batch, unbatched=unbatched,
+        )
 
 
 class Decoder:
-    """Continues a prefill token by token over the engine's workspace (one prompt), or over
-    a batch of prefilled prompts of equal length (greedy)."""
+    """Continues a prefill token by token over one cache (the engine's workspace)."""
 
     def __init__(self, adapter, tokenizer, eos: set[int]) -> None:
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.eos_ids = eos
 
-    def _text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def start(self, params: SamplingParams, vocab: int, t0: float) -> Decoding:
+        """A fresh :class:`Decoding` for one sequence."""
+        return Decoding(self.tokenizer, self.eos_ids, params, vocab, t0)
 
     @torch.no_grad()
-    def stream(self, res: PrefillResult, t0: float, params: SamplingParams,
-               cache: Cache) -> Iterator[str | GenerationOutput]:
+    def stream(self, res: PrefillResult, t0: float, params: SamplingParams, cache: Cache,
+               unbatched: str = "") -> Iterator[str | GenerationOutput]:
         """Sample from ``res.logits`` and continue in ``cache``; yields deltas, then the output."""
         dev = self.adapter.device
-        gen = None
-        if params.do_sample:
-            seed = params.seed if params.seed is not None else random.randrange(1 << 62)
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-        stops = params.stop
         key_pos = res.position_ids.to(dev) if self.adapter.family == "alibi" else None
         next_pos = int(res.position_ids.max()) + 1
-        tokens: list[int] = []
-        emitted = ""
-        finish: FinishReason = "length"
-        ttft = None
+        seq = self.start(params, res.logits.shape[-1], t0)
         logits = res.logits
-        constraint = None
-        if params.grammar is not None:
-            from ..grammar import Constraint
-
-            constraint = Constraint(self.tokenizer, params.grammar, logits.shape[-1])
-        for step in range(params.max_new_tokens):
-            if constraint is not None:
-                logits = constraint.apply(logits)
-            tok = sample(logits, params, gen)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            if tok in self.eos_ids:
-                finish = "eos"
+        while True:
+            delta = seq.push(logits)
+            if delta:
+                yield delta
+            if seq.done:
                 break
-            if constraint is not None:
-                constraint.advance(tok)
-            tokens.append(tok)
-            text = self._text(tokens)
-            cut = first_stop(text, stops)
-            if cut >= 0:
-                if cut > len(emitted):
-                    yield text[len(emitted) : cut]
-                emitted = text[:cut]
-                finish = "stop"
-                break
-            safe = safe_length(text, stops)
-            if safe > len(emitted):
-                yield text[len(emitted) : safe]
-                emitted = text[:safe]
-            if constraint is not None and constraint.done:  # nothing may follow: the answer is whole
-                finish = "eos"
-                break
-            if step == params.max_new_tokens - 1:
-                break
-            ids = torch.tensor([tok], dtype=torch.long, device=dev)
+            ids = torch.tensor([seq.last], dtype=torch.long, device=dev)
             pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
             next_pos += 1
             allowed = None  # one new token attends to everything: no mask needed...
@@ -230,74 +279,5 @@ class Decoder:
                 allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
             with calibrated(res.calibrated):
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
-        if constraint is not None and finish == "length" and not constraint.accepting:
-            from ..grammar import StructuredOutputWarning
-
-            warnings.warn(f"the answer reached max_new_tokens={params.max_new_tokens} before its grammar was "
-                          "complete: it is cut short (raise the token limit)", StructuredOutputWarning, stacklevel=2)
-        if finish != "stop":
-            text = self._text(tokens)
-            if len(text) > len(emitted):
-                yield text[len(emitted) :]
-            emitted = text
-        yield GenerationOutput(
-            text=emitted, token_ids=tokens, ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
-            cached_tokens=res.cached_tokens, computed_tokens=res.computed_tokens,
-            total_s=time.perf_counter() - t0, finish_reason=finish, recomputed_tokens=res.recomputed_tokens,
-        )
-
-    @torch.no_grad()
-    def greedy_batch(self, firsts: list[Prefilled], max_new_tokens: int,
-                     stops: tuple[str, ...]) -> list[GenerationOutput]:
-        """Greedy decoding of ``B`` prefilled prompts of one length ``T`` and next position,
-        one forward per step for the group."""
-        dev = self.adapter.device
-        B, T, next_pos = len(firsts), firsts[0].T, firsts[0].next_pos
-        k0, v0 = firsts[0].k, firsts[0].v
-        assert k0 is not None and v0 is not None
-        L, H, _, D = k0.shape
-        Dv = v0.shape[-1]
-        kb = torch.empty((L, B, H, T + max_new_tokens, D), dtype=self.adapter.dtype, device=dev)
-        vb = torch.empty((L, B, H, T + max_new_tokens, Dv), dtype=self.adapter.dtype, device=dev)
-        for b, f in enumerate(firsts):
-            assert f.k is not None and f.v is not None
-            kb[:, b, :, :T] = f.k
-            vb[:, b, :, :T] = f.v
-            f.k = f.v = None
-        layers: list[Any] = [BufferLayer(kb[i], vb[i]) for i in range(L)]  # (B, H, capacity, D) each
-        for layer in layers:
-            layer.set_length(T)
-        cache = Cache(layers=layers)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        texts: list[str | None] = [None] * B  # set when a sequence stops on a stop string
-        finish: list[FinishReason] = ["length"] * B
-        live = [True] * B
-        last = [f.tok for f in firsts]
-        for step in range(max_new_tokens):
-            for b in range(B):
-                if not live[b]:
-                    continue
-                if last[b] in self.eos_ids:
-                    finish[b], live[b] = "eos", False
-                    continue
-                tokens[b].append(last[b])
-                if stops:
-                    text = self._text(tokens[b])
-                    cut = first_stop(text, stops)
-                    if cut >= 0:
-                        texts[b], finish[b], live[b] = text[:cut], "stop", False
-            if not any(live) or step == max_new_tokens - 1:
-                break
-            ids = torch.tensor(last, dtype=torch.long, device=dev)
-            pos = torch.full((B,), next_pos + step, dtype=torch.long, device=dev)
-            last = torch.argmax(self.adapter.decode_step(ids, pos, cache), dim=-1).tolist()
-        end = time.perf_counter()
-        outs = []
-        for b, f in enumerate(firsts):
-            stopped = texts[b]
-            outs.append(GenerationOutput(
-                text=stopped if stopped is not None else self._text(tokens[b]), token_ids=tokens[b], ttft_s=f.ttft,
-                cached_tokens=f.res.cached_tokens, computed_tokens=f.res.computed_tokens, total_s=end - f.t0,
-                finish_reason=finish[b], recomputed_tokens=f.res.recomputed_tokens,
-            ))
-        return outs
+        seq.warn_if_cut()
+        yield seq.output(res, unbatched=unbatched)

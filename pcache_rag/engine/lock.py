@@ -14,6 +14,9 @@ class EngineLock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
+        #: threads waiting for the lock (the batch scheduler steps aside for them between steps)
+        self.waiting = 0
+        self._count = threading.Lock()
 
     def __enter__(self) -> EngineLock:
         me = threading.get_ident()
@@ -21,7 +24,14 @@ class EngineLock:
             raise RuntimeError(
                 "PromptCache is busy in this thread: finish (or close) the running stream before another call"
             )
-        self._lock.acquire()
+        if not self._lock.acquire(blocking=False):
+            with self._count:
+                self.waiting += 1
+            try:
+                self._lock.acquire()
+            finally:
+                with self._count:
+                    self.waiting -= 1
         self._owner = me
         return self
 

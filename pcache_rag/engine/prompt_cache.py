@@ -26,16 +26,19 @@ from transformers.cache_utils import DynamicCache
 from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..kv import ModuleKV, Workspace
 from ..models import adapter_for
-from ..models.attention import Calibration, calibrated
+from ..models.attention import Calibration
 from ..pml import SchemaLayout, chat_format_for
 from ..pml.layout import PromptPlan, bos_ids
 from ..recompute import Recompute
 from ..store import KVStore, default_store, model_fingerprint
 from ..tokens import safe_tokenizer
-from .decode import Decoder, Generation, Prefilled, SamplingParams, eos_ids
+from .decode import Decoder, Generation, SamplingParams, eos_ids
 from .encoder import Encoder
+from .listeners import Listeners
 from .lock import EngineLock
 from .prefill import Prefiller
+from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, batch_refusal, first_chunk,
+                        run_batch, stream_request)
 from .schemas import SchemaRegistry, SchemaState
 from .types import (
     DEFAULT_ENCODING,
@@ -60,8 +63,8 @@ class PromptCache:
     ``PromptCache(model, tokenizer)`` switches the model's attention to
     ``pcache_sdpa`` where its family allows (same results as sdpa, without
     repeating grouped key/value heads) and installs the ALiBi position hooks
-    for BLOOM/MPT. Not thread-safe for concurrent prompts: calls are
-    serialized by a lock.
+    for BLOOM/MPT. Calls from several threads are serialized by a lock, or, after
+    :meth:`start_batching`, their streams decode together in one continuous batch.
     """
 
     def __init__(
@@ -134,7 +137,9 @@ class PromptCache:
         #: them in prompts without marks (:mod:`pcache_rag.discovery`); with a ``cache_dir``, the
         #: kept ones are journalled beside their states, for every process on them
         self.known_texts = KnownTexts(Path(cache_dir).expanduser() / KNOWN_JOURNAL if cache_dir else None)
-        self._listeners: list[Callable[[GenerationOutput], None]] = []
+        self.listeners = Listeners()
+        #: the continuous batch every stream joins, once :meth:`start_batching` is called
+        self.scheduler: Scheduler | None = None
 
     @property
     def model_type(self) -> str:
@@ -222,16 +227,6 @@ class PromptCache:
         """The stored states under ``key``, encoding (and storing) them first if absent."""
         return self.encoder.stored_states(key, token_ids, position_ids)
 
-    def context_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
-        """A context (the preamble) in the model's dtype, for encoding units that attend to it
-        (the last one is memoized)."""
-        return self.encoder.context_states(key, token_ids, position_ids)
-
-    def conditioned_context(self, base_key: str, base_ids: list[int], base_pos: list[int], cond_key: str,
-                            cond_ids: list[int]) -> ModuleKV:
-        """A preamble's states followed by conditioning passages' (see :class:`Encoder`)."""
-        return self.encoder.conditioned_context(base_key, base_ids, base_pos, cond_key, cond_ids)
-
     @property
     def encoded(self) -> dict[str, int]:
         """Units (modules, chunks, preambles) and tokens this engine has encoded so far."""
@@ -313,8 +308,9 @@ class PromptCache:
                params: SamplingParams | None = None, **gen) -> Generation:
         """Text deltas as they are decoded (same arguments as :meth:`generate`, or ``params``);
         the returned :class:`Generation` holds the output once exhausted."""
-        policy = self.policy(recompute)
-        return self._generation(lambda r: self._prefill_prompt(prompt_pml, r, policy), SamplingParams.of(params, **gen))
+        policy, sp = self.policy(recompute), SamplingParams.of(params, **gen)
+        return self._generation(lambda r: self._prefill_prompt(prompt_pml, r, policy), sp,
+                                lambda: self.schemas.rows(prompt_pml) + sp.max_new_tokens)
 
     def generate_parts(self, parts: Parts, new_ids: list[int], preamble: str | None = None,
                        recompute: str | Recompute | None = None, calibration: str | Calibration | None = None,
@@ -328,7 +324,13 @@ class PromptCache:
         """:meth:`stream` for cached parts plus new token ids."""
         sp = SamplingParams.of(params, **gen)
         policy, cal = self.policy(recompute), Calibration.parse(calibration)
-        return self._generation(lambda r: self._prefill_parts(parts, new_ids, preamble, r, policy, cal), sp)
+        ids, rest = first_chunk(self.scheduler, new_ids, policy.kind == "none" and cal is None)
+        return self._generation(self._parts_prepare(parts, ids, preamble, policy, cal), sp,
+                                lambda: _rows(parts, new_ids, sp.max_new_tokens), rest)
+
+    def _parts_prepare(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
+                       cal: Calibration | None) -> Callable[[int], PrefillResult]:
+        return lambda reserve: self._prefill_parts(parts, new_ids, preamble, reserve, policy, cal)
 
     def text_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings
@@ -344,85 +346,87 @@ class PromptCache:
         """:meth:`generate_text`, streamed."""
         return self.stream_parts([], self.text_ids(text), **gen)
 
-    def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams) -> Generation:
-        return Generation(self._run(prepare, params), on_done=self._notify)
+    def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams,
+                    rows: Callable[[], int], rest: Sequence[int] = ()) -> Generation:
+        """A stream: alone over the workspace, or, with batching on, in the scheduler's batch
+        (``rows``: the KV rows it will hold; ``rest``: new tokens left for prefill chunks after
+        ``prepare``'s, which alone has them all)."""
+        sched = self.scheduler
+        if sched is None or self.batch_refusal:
+            return Generation(self._run(prepare, params, self.batch_refusal if sched else "", rest),
+                              on_done=self.listeners.notify)
+        return Generation(stream_request(sched, prepare, params, rows, list(rest)), on_done=self.listeners.notify)
 
-    def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams):
+    def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams, unbatched: str = "",
+             rest: Sequence[int] = ()):
         """Prefill with ``prepare(reserve)`` and decode; yields text deltas, then the output.
         The lock is taken at the first item; TTFT counts from there, so planning and fetching
         states are included."""
+        assert not rest, "a prompt is chunked only in a batch"
         t0 = time.perf_counter()
         with self._lock, torch.no_grad():
             res = prepare(params.max_new_tokens)
-            yield from self.decoder.stream(res, t0, params, self.workspace.cache())
+            yield from self.decoder.stream(res, t0, params, self.workspace.cache(), unbatched)
 
-    @torch.no_grad()
     def generate_parts_batch(self, requests, max_new_tokens: int = 64,
                              stop: Sequence[str] | None = None) -> list[GenerationOutput]:
-        """Greedy answers to several :meth:`generate_parts` requests, decoded together.
-
-        ``requests``: ``(parts, new_ids, preamble, recompute[, calibration])`` tuples. Each prompt is prefilled
-        on its own, exactly as :meth:`generate_parts` does (its ``ttft_s`` is timed the same way:
-        from the start of its prefill to its first token). Then prompts of equal length decode
-        together, one forward per step for the group, which reads the weights once instead of
-        once per prompt: on a CPU, where decoding is bound by memory bandwidth, that is most of
-        its cost. Batched matrix products round differently from single ones, so a rare greedy
-        near-tie may resolve differently than in :meth:`generate_parts`. Each output's
-        ``total_s`` counts the shared decode. ALiBi models decode one prompt at a time.
-        """
+        """Greedy answers to ``(parts, new_ids, preamble, recompute[, calibration])`` requests:
+        each prefilled as :meth:`generate_parts` does (``ttft_s`` from the start of its prefill),
+        then decoded together in one batch (:mod:`.scheduler`). Batched matrix products round
+        differently, so a rare greedy near-tie may resolve otherwise. ALiBi decodes one at a time."""
         params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
         reqs = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
-        if self.adapter.family == "alibi":  # its bias needs key positions and a mask per step
+        if self.batch_refusal:
             return [self.generate_parts(p, ids, pre, rc, cal, params) for p, ids, pre, rc, cal in reqs]
-        firsts: list[Prefilled] = []
-        with self._lock:
-            ws = self.workspace
-            for parts, new_ids, preamble, rc, cal in reqs:
-                t0 = time.perf_counter()
-                res = self._prefill_parts(parts, new_ids, preamble, max_new_tokens, self.policy(rc),
-                                          Calibration.parse(cal))
-                tok = int(torch.argmax(res.logits))
-                T = ws.layers[0].length
-                firsts.append(Prefilled(res, tok, time.perf_counter() - t0, t0, T, int(res.position_ids.max()) + 1,
-                                        ws.k[:, 0, :, :T].clone(), ws.v[:, 0, :, :T].clone()))  # (L, H, T, D)
-            ws.invalidate()  # the workspace no longer holds what it says it holds
-            groups: dict[tuple, list[int]] = {}
-            for i, f in enumerate(firsts):  # one batch per length, next position and calibrated span
-                groups.setdefault((f.T, f.next_pos, f.res.calibrated), []).append(i)
-            outs: list[GenerationOutput | None] = [None] * len(firsts)
-            for (_, _, span), idx in groups.items():
-                with calibrated(span):
-                    decoded = self.decoder.greedy_batch([firsts[i] for i in idx], max_new_tokens, params.stop)
-                for i, out in zip(idx, decoded):
-                    outs[i] = out
-        done = [o for o in outs if o is not None]
-        for o in done:
-            self._notify(o)
-        return done
+        batch = [Request(self._parts_prepare(p, ids, pre, self.policy(rc), Calibration.parse(cal)), params,
+                         _rows(p, ids, max_new_tokens)) for p, ids, pre, rc, cal in reqs]
+        outs = run_batch(Scheduler(self, self._lock, max_batch=max(1, len(batch)), prefill_tokens=1 << 30,
+                                   kv_budget=sum(r.rows for r in batch) or 1), batch)
+        for o in outs:
+            self.listeners.notify(o)
+        return outs
+
+    # ------------------------------------------------------------------ batching
+
+    @property
+    def batch_refusal(self) -> str:
+        """Why this model cannot decode in a batch ('' when it can)."""
+        return batch_refusal(self.adapter)
+
+    def start_batching(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                       kv_budget: int | None = None) -> Scheduler:
+        """Serve every stream of this engine from one continuous batch (:mod:`.scheduler`):
+        requests join and leave at token boundaries, up to ``max_batch`` decode together, new
+        prompts are prefilled between decode steps ``prefill_tokens`` at a time, and
+        ``kv_budget`` bounds their live KV rows. A model that cannot batch (:attr:`batch_refusal`)
+        keeps decoding one stream at a time, and its outputs say why (``unbatched``)."""
+        if self.scheduler is not None:
+            raise RuntimeError("batching is already on: stop_batching() first")
+        if self.batch_refusal:
+            log.warning("batching is off: %s", self.batch_refusal)
+        self.scheduler = Scheduler(self, self._lock, max_batch, prefill_tokens, kv_budget)
+        self.scheduler.start()
+        return self.scheduler
+
+    def stop_batching(self) -> None:
+        """Back to one stream at a time; requests still in the batch get an error."""
+        sched, self.scheduler = self.scheduler, None
+        if sched is not None:
+            sched.stop()
 
     # ------------------------------------------------------------------ observing
 
     def add_listener(self, fn: Callable[[GenerationOutput], None]) -> None:
         """Call ``fn`` with every finished generation's output (of any call, from any thread)."""
-        self._listeners.append(fn)
+        self.listeners.add(fn)
 
     def remove_listener(self, fn: Callable[[GenerationOutput], None]) -> None:
-        self._listeners.remove(fn)
+        self.listeners.remove(fn)
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[list[GenerationOutput]]:
+    def recording(self) -> contextlib.AbstractContextManager[list[GenerationOutput]]:
         """A list that collects every generation finished while the block runs: how a caller
         sees the usage of calls made deep inside a framework's chain."""
-        got: list[GenerationOutput] = []
-        self.add_listener(got.append)
-        try:
-            yield got
-        finally:
-            self.remove_listener(got.append)
-
-    def _notify(self, out: GenerationOutput) -> None:
-        for fn in list(self._listeners):
-            fn(out)
+        return self.listeners.recording()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[PromptCache]:
@@ -445,13 +449,14 @@ class PromptCache:
         return out[-1] if last == 1 else out[-last:]
 
     def stats(self) -> dict:
-        """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, and
-        what this engine encoded (units and tokens)."""
+        """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, what
+        this engine encoded (units and tokens) and, with batching on, the batch's."""
         tiers = getattr(self.store, "tier_stats", None)
-        return {
-            "tiers": {k: vars_of(v) for k, v in tiers().items()} if tiers else {"store": vars_of(self.store.stats())},
-            "schemas": self.schemas.sizes(),
-            "workspace_bytes": self.workspace.nbytes(),
-            "encoded": dict(self.encoded),
-        }
+        return {"tiers": {k: vars_of(v) for k, v in tiers().items()} if tiers else {"store": vars_of(self.store.stats())},
+                "schemas": self.schemas.sizes(), "workspace_bytes": self.workspace.nbytes(),
+                "encoded": dict(self.encoded), "batch": self.scheduler.stats() if self.scheduler else None}
 
+
+def _rows(parts: Parts, new_ids: Sequence[int], max_new_tokens: int) -> int:
+    """The KV rows a parts request holds at most: its cache, its new tokens and its answer."""
+    return sum(kv.length for _, kv in parts) + len(new_ids) + max_new_tokens

@@ -165,6 +165,13 @@ class SchemaRegistry:
                            prompt.line, prompt.column)
         return plan, state
 
+    def rows(self, prompt_pml: str) -> int:
+        """The tokens a prompt's cache holds after its prefill: its units, arguments and new
+        tokens (raises :class:`PMLError` as :meth:`plan` does)."""
+        plan, _ = self.plan(prompt_pml)
+        return (sum(len(u.token_ids) for u in plan.units) + sum(len(ids) for *_, ids in plan.args)
+                + len(plan.uncached_ids))
+
     def states(self, plan: PromptPlan, state: SchemaState) -> list[ModuleKV]:
         """The imported units' states, re-encoding any the store lost (evicted or damaged)."""
         keys = [state.keys[u.name] for u in plan.units]

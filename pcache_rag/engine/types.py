@@ -54,6 +54,8 @@ class GenerationOutput:
     total_s: float = 0.0
     finish_reason: FinishReason = "length"
     recomputed_tokens: int = 0  # context tokens recomputed (included in computed_tokens)
+    decode_batch: int = 1  # the most sequences it decoded with in one forward (1: alone)
+    unbatched: str = ""  # why it decoded alone with batching on (ALiBi, a model outside pcache_sdpa)
 
 
 @dataclass(slots=True)

@@ -181,7 +181,7 @@ class Assembler:
     def conditioned_context(self) -> ModuleKV:
         """The preamble's states followed by the conditioning passages' (which attend to the
         preamble), in the model's dtype; both stored, the pair memoized."""
-        return self.pc.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
+        return self.pc.encoder.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
                                            self.ctx_key, self.cond_ids)
 
     def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None,
@@ -198,7 +198,7 @@ class Assembler:
         else:
             ctx = None
             if self.pc.encoding == "preamble":
-                ctx = self.pc.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+                ctx = self.pc.encoder.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
             kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.pc.store_dtype)
         if store:
             self.pc.store.put(key, kv)

@@ -27,6 +27,13 @@ preamble) get logits ``s/T + (S*T - 1) * LSE(s/T)`` on every query row, so that 
 share of attention is ``exp(S*T*LSE(s/T))`` and its distribution inside is ``softmax(s/T)``:
 one flash call with scale ``1/T``, its LSE multiplied by ``S*T``. The preamble and the new
 tokens keep their logits. ``T = S = 1`` is ordinary attention.
+
+**Ragged decode steps** (:func:`ragged`, for continuous batching): one forward decodes one
+token for each of ``B`` sequences that own their keys and values, of any lengths. The
+projections and MLPs run batched (one read of the weights for the batch); the attention
+runs per sequence over that sequence's own rows, exactly as its solo decode step would
+(with its own calibrated span, if any). No padding and no mask: a short sequence reads
+only its own rows.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ def pcache_sdpa(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    step = getattr(_ragging, "step", None)
+    if step is not None:  # a batch of sequences of their own lengths: each attends alone
+        return step.attend(module, query, scaling), None
     B, H, q, D = query.shape
     Hkv, kv = key.shape[1], key.shape[2]
     G = H // Hkv
@@ -178,6 +188,57 @@ def recomputing(spec: RecomputedRows | None):
     """Forwards of this thread inside the block attend as ``spec`` says, with no dense mask
     (:func:`recompute_attention`). Yields a counter of the attention calls that did."""
     with _scoped(_recomputing, "spec", spec) as counter:
+        yield counter
+
+
+@dataclass(slots=True, eq=False)
+class RaggedStep:
+    """One decode step of ``B`` sequences that each own their rows: ``keys[b]`` (L, H_kv,
+    capacity, D) and ``values[b]`` (L, H_kv, capacity, Dv) hold sequence ``b``'s first
+    ``lengths[b]`` tokens; this step's token is written at ``lengths[b]`` (:meth:`write`, from
+    the cache layer) and attends to rows ``[0, lengths[b]]``. ``spans[b]``: its calibrated keys."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: list[int]
+    spans: list[CalibratedSpan | None]
+    layer: int = -1  # the layer whose attention runs next (set by write)
+    calls: int = 0  # attention calls served (0 after a forward: the model bypassed pcache_sdpa)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store this step's ``key`` (B, H_kv, 1, D) and ``value`` of ``layer`` in each sequence's rows."""
+        self.layer = layer
+        for b, n in enumerate(self.lengths):
+            self.keys[b][layer, :, n].copy_(key[b, :, 0])  # (H_kv, D)
+            self.values[b][layer, :, n].copy_(value[b, :, 0])
+
+    def attend(self, module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """``query`` (B, H, 1, D) -> (B, 1, H, Dv): each row over its own sequence's rows, by
+        the same call its solo decode step makes."""
+        if query.shape[2] != 1 or query.shape[0] != len(self.lengths):
+            raise ValueError(f"{NAME}: a ragged step takes one token per sequence, not {tuple(query.shape)}")
+        self.calls += 1
+        i, outs = self.layer, []
+        _ragging.step = None  # the per-sequence calls below are ordinary ones
+        try:
+            for b, n in enumerate(self.lengths):
+                k = self.keys[b][i, :, : n + 1][None]  # (1, H_kv, n+1, D), a view
+                v = self.values[b][i, :, : n + 1][None]
+                if self.spans[b] is None:
+                    out, _ = pcache_sdpa(module, query[b : b + 1], k, v, None, scaling=scaling)
+                else:
+                    with calibrated(self.spans[b]):
+                        out, _ = pcache_sdpa(module, query[b : b + 1], k, v, None, scaling=scaling)
+                outs.append(out)  # (1, 1, H, Dv)
+        finally:
+            _ragging.step = self
+        return torch.cat(outs)
+
+
+@contextmanager
+def ragged(step: RaggedStep | None):
+    """Forwards of this thread inside the block are :class:`RaggedStep` ``step``'s decode step."""
+    with _scoped(_ragging, "step", step) as counter:
         yield counter
 
 
@@ -344,5 +405,7 @@ _calibrating = threading.local()
 _recomputing = threading.local()
 #: the probe of this thread's forward, if any (another thread's forwards are not probed)
 _probing = threading.local()
+#: the ragged decode step of this thread's forward, if any (set by :func:`ragged`)
+_ragging = threading.local()
 
 AttentionInterface.register(NAME, pcache_sdpa)

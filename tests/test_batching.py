@@ -1,0 +1,236 @@
+"""Continuous batching (:mod:`pcache_rag.engine.scheduler`): requests with different
+documents, lengths and positions decode together and each gets exactly what it gets alone.
+
+Tiny random models of each family that can batch (RoPE with grouped heads, learned
+positions); ALiBi decodes alone and says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pcache_rag import PromptCache, SamplingParams
+from pcache_rag.engine import ContextOverflowError
+from pcache_rag.engine.scheduler import Request, Scheduler, run_batch
+from pcache_rag.kv import RequestKV
+
+from helpers import contiguous_parts, tiny_model
+
+TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
+         " A heron stood in the shallow river, watching the silver fish below.",
+         " The library keeps maps of the old harbour in its basement archive.",
+         " Copper wire conducts heat and electricity better than most metals."]
+
+
+def _engine(family: str, tok, seed: int = 4) -> PromptCache:
+    model = tiny_model(family, len(tok), seed=seed)
+    with torch.no_grad():  # sharper attention: what a token reads changes its logits visibly
+        for name, p in model.named_parameters():
+            if any(t in name for t in ("q_proj", "k_proj", "c_attn")):
+                p.mul_(4.0)
+    return PromptCache(model, tok, encoding="isolated", store_dtype=None)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def pc(request, smol_tok):
+    return _engine(request.param, smol_tok)
+
+
+def _requests(pc):
+    """Five prompts of different lengths, documents and positions (one with nothing cached)."""
+    a, qa = contiguous_parts(pc, TEXTS[:3])
+    b, qb = contiguous_parts(pc, TEXTS[1:2], " What stood in the river? It was")
+    c, qc = contiguous_parts(pc, TEXTS[3:] + TEXTS[:1], " Which metal?")
+    plain = pc.safe.text(TEXTS[2] + " Where are the maps?")
+    return [(a, qa), (b, qb), (c, qc), ([], plain), (a[:1], qc)]
+
+
+def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
+    """One forward for sequences of different lengths, each over its own rows, equals each
+    sequence's own decode step to 1e-4 (batched projections round differently, nothing else)."""
+    from pcache_rag.engine.scheduler import _RaggedLayer
+    from pcache_rag.models.attention import RaggedStep, ragged
+    from transformers.cache_utils import Cache
+
+    kvs, solo = [], []
+    for parts, new in _requests(pc):
+        res = pc.prefill_parts(parts, new, reserve=4)
+        tok = int(torch.argmax(res.logits))
+        kv = RequestKV.from_workspace(pc.workspace, 4)
+        nxt = int(res.position_ids.max()) + 1
+        one = RequestKV(kv.k.clone(), kv.v.clone(), kv.length)
+        cache = one.cache()
+        solo.append(pc.adapter.forward(torch.tensor([tok]), torch.tensor([nxt]), cache, None, None)[-1])
+        kvs.append((kv, tok, nxt))
+    assert len({kv.length for kv, _, _ in kvs}) == len(kvs), "the lengths must differ, or the step is not ragged"
+    step = RaggedStep([kv.k for kv, _, _ in kvs], [kv.v for kv, _, _ in kvs], [kv.length for kv, _, _ in kvs],
+                      [None] * len(kvs))
+    like = kvs[0][0].k[0, None, :, :0]
+    cache = Cache(layers=[_RaggedLayer(step, i, max(step.lengths), like) for i in range(kvs[0][0].k.shape[0])])
+    with ragged(step):
+        got = pc.adapter.decode_step(torch.tensor([t for _, t, _ in kvs]), torch.tensor([p for *_, p in kvs]), cache)
+    assert step.calls == pc.adapter.kv_shape.n_layers
+    for b, want in enumerate(solo):
+        assert (got[b] - want).abs().max() < 1e-4, b
+    assert (solo[0] - solo[1]).abs().max() > 1e-2, "different prompts must give different logits"
+
+
+def test_batched_answers_equal_one_at_a_time(pc):
+    """generate_parts_batch: every prompt's greedy tokens, text, counts and finish reason equal
+    its generate_parts answer."""
+    reqs = _requests(pc)
+    batch = pc.generate_parts_batch([(p, n, None, None) for p, n in reqs], max_new_tokens=8)
+    for (p, n), got in zip(reqs, batch):
+        one = pc.generate_parts(p, n, max_new_tokens=8)
+        assert got.token_ids == one.token_ids and got.text == one.text
+        assert (got.cached_tokens, got.computed_tokens, got.finish_reason) == (
+            one.cached_tokens, one.computed_tokens, one.finish_reason)
+        assert got.decode_batch == len(reqs) and one.decode_batch == 1
+    assert len({tuple(b.token_ids) for b in batch}) > 2, "the prompts must not all agree, or the check is weak"
+
+
+def _prep(pc, parts, new):
+    """What the engine hands a batch request: prefill in the workspace (the step holds the lock)."""
+    return pc._parts_prepare(parts, list(new), None, pc.policy(None), None)
+
+
+def _solo(pc, parts, new, params):
+    return pc.generate_parts(parts, new, params=params)
+
+
+def test_requests_join_and_leave_a_running_batch(pc):
+    """With batching on, streams started from several threads at different times (greedy and
+    seeded sampling, stop strings, different lengths) each equal their solo answer, while they
+    shared decode steps with others."""
+    reqs = _requests(pc)
+    solo_txt = _solo(pc, *reqs[0], SamplingParams(max_new_tokens=12)).text
+    stop = solo_txt[3:6] if len(solo_txt) > 6 and solo_txt[3:6].strip() else None
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=5),
+              SamplingParams(max_new_tokens=10, do_sample=True, temperature=0.9, top_p=0.9, seed=7),
+              SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=12, stop=(stop,) if stop else ())]
+    want = [_solo(pc, p, n, sp) for (p, n), sp in zip(reqs, params)]
+    got: list = [None] * len(reqs)
+    sched = pc.start_batching(max_batch=8)
+    try:
+        def run(i):
+            time.sleep(0.02 * i)  # arrive one after another: later ones join a running batch
+            stream = pc.stream_parts(*reqs[i], params=params[i])
+            deltas = list(stream)
+            got[i] = (stream.output, "".join(deltas))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = sched.stats()
+    finally:
+        pc.stop_batching()
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert g is not None, i
+        out, text = g
+        assert out.token_ids == w.token_ids and out.text == w.text == text, i
+        assert out.finish_reason == w.finish_reason, i
+    assert stats["max_batch_seen"] >= 2 and stats["steps"] < sum(len(w.token_ids) for w in want)
+    assert stats["finished"] == len(reqs) and stats["live"] == 0 and stats["live_rows"] == 0
+    assert max(g[0].decode_batch for g in got) >= 2
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(pc):
+    """A prompt with more new tokens than the step budget is prefilled in chunks over its own
+    rows: the same answer and counts as one prefill, and the stream already running kept
+    decoding in between."""
+    parts, q = contiguous_parts(pc, TEXTS[:1])
+    long_ids = pc.safe.text(" ".join(TEXTS) * 2)
+    assert len(long_ids) > 3 * 16
+    want_long = pc.generate_parts(parts, long_ids, max_new_tokens=6)
+    want_short = pc.generate_parts(parts, q, max_new_tokens=20)
+    sched = Scheduler(pc, pc._lock, max_batch=4, prefill_tokens=16)
+    short = Request(_prep(pc, parts, q), SamplingParams(max_new_tokens=20), rows=200)
+    sched.submit(short)
+    sched.step()  # the short one is running
+    first = pc.safe.text(" ".join(TEXTS) * 2)
+    long = Request(_prep(pc, parts, first[:16]), SamplingParams(max_new_tokens=6), rows=400, rest=first[16:])
+    outs = run_batch(sched, [long])
+    got_short = list(short.items())[-1]
+    assert outs[0].token_ids == want_long.token_ids
+    assert outs[0].computed_tokens == want_long.computed_tokens
+    assert got_short.token_ids == want_short.token_ids
+    assert sched.counts["chunks"] >= 3
+    assert sched.counts["max_batch_seen"] == 2  # the short stream decoded while the long one was prefilled
+
+
+def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
+    parts, q = _requests(pc)[0]
+    sched = pc.start_batching(max_batch=4)
+    try:
+        keep = pc.stream_parts(parts, q, max_new_tokens=24)
+        gone = pc.stream_parts(parts, q, max_new_tokens=24)
+        next(iter(gone), None)
+        gone.close()
+        out = keep.result()
+        deadline = time.time() + 10
+        while sched.stats()["live"] and time.time() < deadline:
+            time.sleep(0.01)
+        st = sched.stats()
+    finally:
+        pc.stop_batching()
+    assert out.token_ids == pc.generate_parts(parts, q, max_new_tokens=24).token_ids
+    assert st["cancelled"] == 1 and st["live"] == 0 and st["live_rows"] == 0
+
+
+def test_the_row_budget_makes_requests_wait_and_refuses_what_can_never_fit(pc):
+    reqs = _requests(pc)
+    sizes = [sum(kv.length for _, kv in p) + len(n) + 6 for p, n in reqs[:2]]
+    sched = Scheduler(pc, pc._lock, max_batch=8, kv_budget=max(sizes))
+    batch = [Request(_prep(pc, p, n), SamplingParams(max_new_tokens=6), rows=s) for (p, n), s in zip(reqs[:2], sizes)]
+    outs = run_batch(sched, batch)
+    assert sched.counts["max_batch_seen"] == 1  # the second waited for the first's rows
+    for (p, n), o in zip(reqs[:2], outs):
+        assert o.token_ids == pc.generate_parts(p, n, max_new_tokens=6).token_ids
+    with pytest.raises(ContextOverflowError, match="KV rows"):
+        sched.submit(Request(batch[0].prepare, SamplingParams(), rows=max(sizes) + 1))
+
+
+def test_a_grammar_constrained_answer_decodes_in_the_batch(pc):
+    from pcache_rag.grammar import regex_grammar
+
+    parts, q = _requests(pc)[0]
+    g = regex_grammar(r"[0-9]{4}")
+    want = pc.generate_parts(parts, q, grammar=g, max_new_tokens=8)
+    pc.start_batching()
+    try:
+        other = pc.stream_parts(parts, q, max_new_tokens=8)
+        got = pc.stream_parts(parts, q, grammar=g, max_new_tokens=8).result()
+        other.result()
+    finally:
+        pc.stop_batching()
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert len(got.text) == 4 and got.text.isdigit()
+
+
+def test_alibi_decodes_alone_and_says_so(smol_tok):
+    pc = _engine("bloom", smol_tok)
+    parts, q = contiguous_parts(pc, TEXTS[:2])
+    want = pc.generate_parts(parts, q, max_new_tokens=5)
+    pc.start_batching()
+    try:
+        got = pc.generate_parts(parts, q, max_new_tokens=5)
+    finally:
+        pc.stop_batching()
+    assert got.token_ids == want.token_ids
+    assert "ALiBi" in got.unbatched and got.decode_batch == 1 and want.unbatched == ""
+
+
+def test_stopping_the_batch_fails_what_waits_instead_of_hanging(pc):
+    parts, q = _requests(pc)[0]
+    sched = Scheduler(pc, pc._lock)  # never started: requests wait
+    req = sched.submit(Request(_prep(pc, parts, q), SamplingParams(), rows=100))
+    sched.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        list(req.items())
+    with pytest.raises(RuntimeError, match="stopped"):
+        sched.submit(Request(req.prepare, SamplingParams(), rows=100))
