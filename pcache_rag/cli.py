@@ -272,7 +272,8 @@ def cmd_serve(a) -> int:
           f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config.name_or_path)).name!r})",
           file=sys.stderr)
     serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
-          max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info", allowed_hosts=hosts,
+          max_batch=a.max_batch, prefill_tokens=a.prefill_tokens, max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info",
+          allowed_hosts=hosts,
           api_key=api_key, max_connections=a.limit_concurrency, header_timeout=a.header_timeout)
     rag.close()
     return 0
@@ -408,6 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--k", type=_positive, default=4, help="chunks to retrieve per question")
     v.add_argument("--max-new-tokens", type=_positive, default=128, help="default answer length")
     v.add_argument("--queue", type=_positive, default=64, help="questions that may wait; more get 503")
+    v.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="answers decoded together in one continuous batch (1: one at a time)")
+    v.add_argument("--prefill-tokens", type=_positive, default=128, metavar="N",
+                   help="prompt tokens a batch step computes beside decoding; longer prompts are prefilled in "
+                        "chunks (smaller: smoother streams, slower long prompts)")
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
     v.add_argument("--recompute", default=None, metavar="POLICY", help="recompute policy for answers")
     v.add_argument("--api-key", default=None, metavar="KEY",

@@ -118,6 +118,17 @@ def _quantize(kv: ModuleKV) -> ModuleKV:
     return ModuleKV(kq, vq, kv.token_ids, kv.position_ids, k_scale=ks.half(), v_scale=vs.half())
 
 
+def place(k: torch.Tensor, v: torch.Tensor, u: ModuleKV) -> None:
+    """Copy unit ``u``'s states into ``k`` and ``v`` (L, H, T, D) views, dequantizing int8. One
+    copy moves the unit for every layer at once; from pinned host memory to a GPU it is
+    non-blocking, so the copy overlaps compute."""
+    k.copy_(u.keys, non_blocking=True)
+    v.copy_(u.values, non_blocking=True)
+    if u.quantized:  # int8 in, dequantized in place: no temporary of the unit's size
+        k.mul_(u.k_scale.to(device=k.device, dtype=k.dtype))
+        v.mul_(u.v_scale.to(device=v.device, dtype=v.dtype))
+
+
 class BufferLayer(DynamicLayer):
     """One layer of a :class:`Workspace`: writes new states into a preallocated buffer."""
 
@@ -219,14 +230,7 @@ class Workspace:
         resident = self._resident[:keep]
         for u in units[keep:]:
             end = off + u.length
-            # One copy moves the unit for every layer at once.
-            # non_blocking: from pinned host memory to a GPU the copy overlaps compute
-            k, v = self.k[:, 0, :, off:end], self.v[:, 0, :, off:end]  # (L, H, T, D)
-            k.copy_(u.keys, non_blocking=True)
-            v.copy_(u.values, non_blocking=True)
-            if u.quantized:  # int8 in, dequantized in place: no temporary of the unit's size
-                k.mul_(u.k_scale.to(device=k.device, dtype=k.dtype))
-                v.mul_(u.v_scale.to(device=v.device, dtype=v.dtype))
+            place(self.k[:, 0, :, off:end], self.v[:, 0, :, off:end], u)
             resident.append((u.uid, end))
             copied += u.length
             off = end
@@ -265,6 +269,21 @@ class RequestKV:
         self.k = k  # (n_layers, n_kv_heads, capacity, head_dim)
         self.v = v  # (n_layers, n_kv_heads, capacity, head_dim_v)
         self.length = length
+
+    @classmethod
+    def assemble(cls, units: list[ModuleKV], extra: int, shape: tuple[int, int, int, int], dtype,
+                 device) -> RequestKV:
+        """``units`` one after another in fresh rows (``shape``: layers, heads, key and value head
+        sizes), with room for ``extra`` more."""
+        L, H, D, Dv = shape
+        T = sum(u.length for u in units)
+        k = torch.empty((L, H, T + extra, D), dtype=dtype, device=device)
+        v = torch.empty((L, H, T + extra, Dv), dtype=dtype, device=device)
+        off = 0
+        for u in units:
+            place(k[:, :, off : off + u.length], v[:, :, off : off + u.length], u)
+            off += u.length
+        return cls(k, v, T)
 
     @classmethod
     def from_workspace(cls, ws: Workspace, extra: int) -> RequestKV:

@@ -14,7 +14,7 @@ import torch
 
 from pcache_rag import PromptCache, SamplingParams
 from pcache_rag.engine import ContextOverflowError
-from pcache_rag.engine.scheduler import Request, Scheduler, run_batch
+from pcache_rag.engine.scheduler import Request, Scheduler, parts_request, run_batch
 from pcache_rag.kv import RequestKV
 
 from helpers import contiguous_parts, tiny_model
@@ -49,33 +49,36 @@ def _requests(pc):
 
 
 def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
-    """One forward for sequences of different lengths, each over its own rows, equals each
-    sequence's own decode step to 1e-4 (batched projections round differently, nothing else)."""
+    """One forward for sequences of different lengths, each over its own rows (one decoding a
+    token, one prefilling a chunk of four), equals each sequence's own step to 1e-4 (batched
+    projections round differently, nothing else)."""
     from pcache_rag.engine.scheduler import _RaggedLayer
     from pcache_rag.models.attention import RaggedStep, ragged
     from transformers.cache_utils import Cache
 
-    kvs, solo = [], []
-    for parts, new in _requests(pc):
-        res = pc.prefill_parts(parts, new, reserve=4)
-        tok = int(torch.argmax(res.logits))
-        kv = RequestKV.from_workspace(pc.workspace, 4)
+    seqs, solo = [], []
+    for j, (parts, new) in enumerate(_requests(pc)):
+        res = pc.prefill_parts(parts, new, reserve=8)
+        kv = RequestKV.from_workspace(pc.workspace, 8)
         nxt = int(res.position_ids.max()) + 1
+        toks = [int(torch.argmax(res.logits))] if j % 2 == 0 else pc.safe.text(" and then it")[:4]
         one = RequestKV(kv.k.clone(), kv.v.clone(), kv.length)
-        cache = one.cache()
-        solo.append(pc.adapter.forward(torch.tensor([tok]), torch.tensor([nxt]), cache, None, None)[-1])
-        kvs.append((kv, tok, nxt))
-    assert len({kv.length for kv, _, _ in kvs}) == len(kvs), "the lengths must differ, or the step is not ragged"
-    step = RaggedStep([kv.k for kv, _, _ in kvs], [kv.v for kv, _, _ in kvs], [kv.length for kv, _, _ in kvs],
-                      [None] * len(kvs))
-    like = kvs[0][0].k[0, None, :, :0]
-    cache = Cache(layers=[_RaggedLayer(step, i, max(step.lengths), like) for i in range(kvs[0][0].k.shape[0])])
+        pos = torch.arange(nxt, nxt + len(toks))
+        solo.append(pc.adapter.forward(torch.tensor(toks), pos, one.cache(), None, None)[-1])
+        seqs.append((kv, toks, pos))
+    assert len({kv.length for kv, _, _ in seqs}) == len(seqs), "the lengths must differ, or the step is not ragged"
+    step = RaggedStep([kv.k for kv, _, _ in seqs], [kv.v for kv, _, _ in seqs], [kv.length for kv, _, _ in seqs],
+                      [len(t) for _, t, _ in seqs], [None] * len(seqs))
+    like = seqs[0][0].k[0, None, :, :0]
+    cache = Cache(layers=[_RaggedLayer(step, i, 0, like) for i in range(seqs[0][0].k.shape[0])])
+    ends = torch.tensor(step.counts).cumsum(0) - 1
     with ragged(step):
-        got = pc.adapter.decode_step(torch.tensor([t for _, t, _ in kvs]), torch.tensor([p for *_, p in kvs]), cache)
+        got = pc.adapter.ragged_forward(torch.tensor([t for _, ts, _ in seqs for t in ts]),
+                                        torch.cat([p for *_, p in seqs]), cache, ends)
     assert step.calls == pc.adapter.kv_shape.n_layers
     for b, want in enumerate(solo):
         assert (got[b] - want).abs().max() < 1e-4, b
-    assert (solo[0] - solo[1]).abs().max() > 1e-2, "different prompts must give different logits"
+    assert (solo[0] - solo[2]).abs().max() > 1e-2, "different prompts must give different logits"
 
 
 def test_batched_answers_equal_one_at_a_time(pc):
@@ -93,8 +96,13 @@ def test_batched_answers_equal_one_at_a_time(pc):
 
 
 def _prep(pc, parts, new):
-    """What the engine hands a batch request: prefill in the workspace (the step holds the lock)."""
+    """The engine's own prefill in its workspace, as a batch request runs it (the step holds the lock)."""
     return pc._parts_prepare(parts, list(new), None, pc.policy(None), None)
+
+
+def _direct(pc, parts, new, params):
+    """A batch request whose new tokens are prefilled in the batch's own steps."""
+    return parts_request(pc, parts, list(new), params, _prep(pc, parts, new), True)
 
 
 def _solo(pc, parts, new, params):
@@ -141,26 +149,29 @@ def test_requests_join_and_leave_a_running_batch(pc):
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(pc):
     """A prompt with more new tokens than the step budget is prefilled in chunks over its own
-    rows: the same answer and counts as one prefill, and the stream already running kept
-    decoding in between."""
+    rows: the same answer and counts as one prefill, while the stream already running kept
+    decoding in the same steps; a prompt prefilled by the engine (recompute) joins as well."""
     parts, q = contiguous_parts(pc, TEXTS[:1])
     long_ids = pc.safe.text(" ".join(TEXTS) * 2)
     assert len(long_ids) > 3 * 16
     want_long = pc.generate_parts(parts, long_ids, max_new_tokens=6)
     want_short = pc.generate_parts(parts, q, max_new_tokens=20)
+    want_epic = pc.generate_parts(parts, q, recompute="epic:2", max_new_tokens=6)
     sched = Scheduler(pc, pc._lock, max_batch=4, prefill_tokens=16)
-    short = Request(_prep(pc, parts, q), SamplingParams(max_new_tokens=20), rows=200)
-    sched.submit(short)
-    sched.step()  # the short one is running
-    first = pc.safe.text(" ".join(TEXTS) * 2)
-    long = Request(_prep(pc, parts, first[:16]), SamplingParams(max_new_tokens=6), rows=400, rest=first[16:])
-    outs = run_batch(sched, [long])
+    short = sched.submit(_direct(pc, parts, q, SamplingParams(max_new_tokens=20)))
+    sched.step()
+    sched.step()  # the short one is decoding
+    epic = Request(SamplingParams(max_new_tokens=6), 200,
+                   prepare=pc._parts_prepare(parts, q, None, pc.policy("epic:2"), None))
+    outs = run_batch(sched, [_direct(pc, parts, long_ids, SamplingParams(max_new_tokens=6)), epic])
     got_short = list(short.items())[-1]
-    assert outs[0].token_ids == want_long.token_ids
-    assert outs[0].computed_tokens == want_long.computed_tokens
+    assert outs[0].token_ids == want_long.token_ids and outs[1].token_ids == want_epic.token_ids
+    assert (outs[0].cached_tokens, outs[0].computed_tokens) == (want_long.cached_tokens, want_long.computed_tokens)
+    assert (outs[1].recomputed_tokens, outs[1].computed_tokens) == (want_epic.recomputed_tokens,
+                                                                     want_epic.computed_tokens)
     assert got_short.token_ids == want_short.token_ids
-    assert sched.counts["chunks"] >= 3
-    assert sched.counts["max_batch_seen"] == 2  # the short stream decoded while the long one was prefilled
+    assert sched.counts["chunks"] >= len(long_ids) // 16
+    assert sched.counts["max_batch_seen"] == 3  # all three shared steps
 
 
 def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
@@ -186,13 +197,14 @@ def test_the_row_budget_makes_requests_wait_and_refuses_what_can_never_fit(pc):
     reqs = _requests(pc)
     sizes = [sum(kv.length for _, kv in p) + len(n) + 6 for p, n in reqs[:2]]
     sched = Scheduler(pc, pc._lock, max_batch=8, kv_budget=max(sizes))
-    batch = [Request(_prep(pc, p, n), SamplingParams(max_new_tokens=6), rows=s) for (p, n), s in zip(reqs[:2], sizes)]
+    batch = [_direct(pc, p, n, SamplingParams(max_new_tokens=6)) for p, n in reqs[:2]]
+    assert [r.rows for r in batch] == sizes
     outs = run_batch(sched, batch)
     assert sched.counts["max_batch_seen"] == 1  # the second waited for the first's rows
     for (p, n), o in zip(reqs[:2], outs):
         assert o.token_ids == pc.generate_parts(p, n, max_new_tokens=6).token_ids
     with pytest.raises(ContextOverflowError, match="KV rows"):
-        sched.submit(Request(batch[0].prepare, SamplingParams(), rows=max(sizes) + 1))
+        sched.submit(Request(SamplingParams(), max(sizes) + 1, prepare=_prep(pc, *reqs[0])))
 
 
 def test_a_grammar_constrained_answer_decodes_in_the_batch(pc):
@@ -228,9 +240,9 @@ def test_alibi_decodes_alone_and_says_so(smol_tok):
 def test_stopping_the_batch_fails_what_waits_instead_of_hanging(pc):
     parts, q = _requests(pc)[0]
     sched = Scheduler(pc, pc._lock)  # never started: requests wait
-    req = sched.submit(Request(_prep(pc, parts, q), SamplingParams(), rows=100))
+    req = sched.submit(_direct(pc, parts, q, SamplingParams()))
     sched.stop()
     with pytest.raises(RuntimeError, match="stopped"):
         list(req.items())
     with pytest.raises(RuntimeError, match="stopped"):
-        sched.submit(Request(req.prepare, SamplingParams(), rows=100))
+        sched.submit(Request(SamplingParams(), 100, prepare=_prep(pc, parts, q)))

@@ -439,26 +439,30 @@ def test_sixteen_concurrent_questions_match_one_at_a_time(served):
     assert service.counts["failed"] == 0
 
 
-def test_full_queue_gets_503_with_retry_after(served):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_full_queue_gets_503_with_retry_after(served, max_batch):
+    """``max_batch`` questions are answered at once (one at a time, or two in the batch), one
+    waits in a queue of one, and the next ones get 503 + Retry-After."""
     from pcache_rag.serve import AnswerService, create_app
 
-    _srv, _service, rag = served
-    service = AnswerService(rag, max_queue=1, max_new_tokens=24)
+    first_srv, _service, rag = served
+    _wait_ingest(first_srv.url)  # an earlier test's ingest holds the index: questions would wait on it
+    service = AnswerService(rag, max_queue=1, max_new_tokens=24, max_batch=max_batch)
     srv = Server(create_app(service))
     try:
-        with ThreadPoolExecutor(6) as ex:
-            with rag.pc.exclusive():  # the engine is busy, so the worker holds the first question
-                first = ex.submit(chat, srv.url, QUESTIONS[0])
+        with ThreadPoolExecutor(8) as ex:
+            with rag.pc.exclusive():  # the engine is busy, so the answers being taken cannot finish
+                first = [ex.submit(chat, srv.url, q) for q in QUESTIONS[:max_batch]]
                 deadline = time.time() + 30
-                while service.running is None:
-                    assert time.time() < deadline, "the worker never took the first question"
+                while service.stats()["queue"]["answering"] < max_batch:
+                    assert time.time() < deadline, "the worker never took the first questions"
                     time.sleep(0.05)
-                queued = ex.submit(chat, srv.url, QUESTIONS[1])  # fills the queue of one
+                queued = ex.submit(chat, srv.url, QUESTIONS[max_batch])  # fills the queue of one
                 while service.stats()["queue"]["waiting"] < 1:
-                    assert time.time() < deadline, "the second question was not queued"
+                    assert time.time() < deadline, "the next question was not queued"
                     time.sleep(0.05)
-                busy = [chat(srv.url, q) for q in QUESTIONS[2:5]]
-            assert first.result().status_code == 200 and queued.result().status_code == 200
+                busy = [chat(srv.url, q) for q in QUESTIONS[max_batch + 1 : max_batch + 4]]
+            assert all(f.result().status_code == 200 for f in first) and queued.result().status_code == 200
         assert [r.status_code for r in busy] == [503] * 3
         assert int(busy[0].headers["Retry-After"]) >= 1 and "busy" in busy[0].json()["error"]["message"]
         assert service.counts["rejected"] == 3

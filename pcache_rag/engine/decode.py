@@ -230,16 +230,14 @@ class Decoding:
                           "complete: it is cut short (raise the token limit)", StructuredOutputWarning,
                           stacklevel=stacklevel)
 
-    def output(self, res: PrefillResult, computed_extra: int = 0, decode_batch: int = 1,
+    def output(self, cached: int, computed: int, recomputed: int = 0, decode_batch: int = 1,
                unbatched: str = "") -> GenerationOutput:
-        """The finished :class:`GenerationOutput` (``computed_extra``: tokens prefilled in later
-        chunks, beyond ``res``)."""
+        """The finished :class:`GenerationOutput`, with its prompt's token counts."""
         now = time.perf_counter()
         return GenerationOutput(
             text=self.emitted, token_ids=self.tokens, ttft_s=self.ttft if self.ttft is not None else now - self.t0,
-            cached_tokens=res.cached_tokens, computed_tokens=res.computed_tokens + computed_extra,
-            total_s=now - self.t0, finish_reason=self.finish, recomputed_tokens=res.recomputed_tokens,
-            decode_batch=decode_batch, unbatched=unbatched,
+            cached_tokens=cached, computed_tokens=computed, total_s=now - self.t0, finish_reason=self.finish,
+            recomputed_tokens=recomputed, decode_batch=decode_batch, unbatched=unbatched,
         )
 
 
@@ -280,4 +278,4 @@ class Decoder:
             with calibrated(res.calibrated):
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
         seq.warn_if_cut()
-        yield seq.output(res, unbatched=unbatched)
+        yield seq.output(res.cached_tokens, res.computed_tokens, res.recomputed_tokens, unbatched=unbatched)

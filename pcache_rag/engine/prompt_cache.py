@@ -37,8 +37,8 @@ from .encoder import Encoder
 from .listeners import Listeners
 from .lock import EngineLock
 from .prefill import Prefiller
-from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, batch_refusal, first_chunk,
-                        run_batch, stream_request)
+from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, batch_refusal, parts_request,
+                        rows_of, run_batch, stream_request)
 from .schemas import SchemaRegistry, SchemaState
 from .types import (
     DEFAULT_ENCODING,
@@ -324,13 +324,18 @@ class PromptCache:
         """:meth:`stream` for cached parts plus new token ids."""
         sp = SamplingParams.of(params, **gen)
         policy, cal = self.policy(recompute), Calibration.parse(calibration)
-        ids, rest = first_chunk(self.scheduler, new_ids, policy.kind == "none" and cal is None)
-        return self._generation(self._parts_prepare(parts, ids, preamble, policy, cal), sp,
-                                lambda: _rows(parts, new_ids, sp.max_new_tokens), rest)
+        return self._generation(self._parts_prepare(parts, new_ids, preamble, policy, cal), sp,
+                                lambda: rows_of(parts, new_ids, sp.max_new_tokens),
+                                lambda: self._request(parts, new_ids, preamble, policy, cal, sp))
 
     def _parts_prepare(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
                        cal: Calibration | None) -> Callable[[int], PrefillResult]:
         return lambda reserve: self._prefill_parts(parts, new_ids, preamble, reserve, policy, cal)
+
+    def _request(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
+                 cal: Calibration | None, params: SamplingParams) -> Request:
+        prepare = self._parts_prepare(parts, new_ids, preamble, policy, cal)
+        return parts_request(self, parts, new_ids, params, prepare, policy.kind == "none", cal)
 
     def text_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings
@@ -347,22 +352,21 @@ class PromptCache:
         return self.stream_parts([], self.text_ids(text), **gen)
 
     def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams,
-                    rows: Callable[[], int], rest: Sequence[int] = ()) -> Generation:
+                    rows: Callable[[], int], make: Callable[[], Request] | None = None) -> Generation:
         """A stream: alone over the workspace, or, with batching on, in the scheduler's batch
-        (``rows``: the KV rows it will hold; ``rest``: new tokens left for prefill chunks after
-        ``prepare``'s, which alone has them all)."""
+        (``rows``: the KV rows it will hold; ``make``: its batch request, when it is not just
+        ``prepare``)."""
         sched = self.scheduler
         if sched is None or self.batch_refusal:
-            return Generation(self._run(prepare, params, self.batch_refusal if sched else "", rest),
+            return Generation(self._run(prepare, params, self.batch_refusal if sched else ""),
                               on_done=self.listeners.notify)
-        return Generation(stream_request(sched, prepare, params, rows, list(rest)), on_done=self.listeners.notify)
+        return Generation(stream_request(sched, make or (lambda: Request(params, rows(), prepare=prepare))),
+                          on_done=self.listeners.notify)
 
-    def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams, unbatched: str = "",
-             rest: Sequence[int] = ()):
+    def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams, unbatched: str = ""):
         """Prefill with ``prepare(reserve)`` and decode; yields text deltas, then the output.
         The lock is taken at the first item; TTFT counts from there, so planning and fetching
         states are included."""
-        assert not rest, "a prompt is chunked only in a batch"
         t0 = time.perf_counter()
         with self._lock, torch.no_grad():
             res = prepare(params.max_new_tokens)
@@ -370,18 +374,16 @@ class PromptCache:
 
     def generate_parts_batch(self, requests, max_new_tokens: int = 64,
                              stop: Sequence[str] | None = None) -> list[GenerationOutput]:
-        """Greedy answers to ``(parts, new_ids, preamble, recompute[, calibration])`` requests:
-        each prefilled as :meth:`generate_parts` does (``ttft_s`` from the start of its prefill),
-        then decoded together in one batch (:mod:`.scheduler`). Batched matrix products round
-        differently, so a rare greedy near-tie may resolve otherwise. ALiBi decodes one at a time."""
+        """Greedy :meth:`generate_parts` answers to ``(parts, new_ids, preamble, recompute[, calibration])``
+        requests, prefilled and decoded together in one batch (:mod:`.scheduler`); batched products
+        round differently, so a rare near-tie may resolve otherwise. ALiBi decodes one at a time."""
         params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
         reqs = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
         if self.batch_refusal:
             return [self.generate_parts(p, ids, pre, rc, cal, params) for p, ids, pre, rc, cal in reqs]
-        batch = [Request(self._parts_prepare(p, ids, pre, self.policy(rc), Calibration.parse(cal)), params,
-                         _rows(p, ids, max_new_tokens)) for p, ids, pre, rc, cal in reqs]
-        outs = run_batch(Scheduler(self, self._lock, max_batch=max(1, len(batch)), prefill_tokens=1 << 30,
-                                   kv_budget=sum(r.rows for r in batch) or 1), batch)
+        batch = [self._request(p, ids, pre, self.policy(rc), Calibration.parse(cal), params)
+                 for p, ids, pre, rc, cal in reqs]
+        outs = run_batch(Scheduler(self, self._lock, max(1, len(batch)), 4096, sum(r.rows for r in batch) or 1), batch)
         for o in outs:
             self.listeners.notify(o)
         return outs
@@ -456,7 +458,3 @@ class PromptCache:
                 "schemas": self.schemas.sizes(), "workspace_bytes": self.workspace.nbytes(),
                 "encoded": dict(self.encoded), "batch": self.scheduler.stats() if self.scheduler else None}
 
-
-def _rows(parts: Parts, new_ids: Sequence[int], max_new_tokens: int) -> int:
-    """The KV rows a parts request holds at most: its cache, its new tokens and its answer."""
-    return sum(kv.length for _, kv in parts) + len(new_ids) + max_new_tokens

@@ -1,17 +1,19 @@
 """Continuous batching: requests join and leave a running batch at token boundaries.
 
-Each request owns its KV rows (:class:`~pcache_rag.kv.RequestKV`: its assembled cache,
-copied out of the workspace after its prefill, with room for its answer), so requests with
-different documents, lengths and positions decode together: one forward per step, in which
-every sequence attends to its own rows (:class:`~pcache_rag.models.attention.RaggedStep`)
-while the projections and MLPs run batched. Decoding on a CPU is bound by reading the
-weights; a batch reads them once per step instead of once per request.
+Each request owns its KV rows (:class:`~pcache_rag.kv.RequestKV`: its cached units copied
+in, then its new tokens and its answer), so requests with different documents, lengths and
+positions run together. Each step is one forward over a flattened query: one token of
+every request that decodes, plus chunks of the prompts being prefilled, up to a token
+budget (chunked prefill: a long prompt cannot stall the streams already running). Every
+sequence attends to its own rows only (:class:`~pcache_rag.models.attention.RaggedStep`);
+the projections and MLPs run over all tokens at once. Decoding on a CPU is bound by
+reading the weights, which the step reads once for everyone.
 
-Between decode steps the scheduler prefills waiting requests, under a token budget per
-step: the new tokens of a long prompt are prefilled in chunks over the request's own rows
-(exact: each chunk attends to everything before it and to itself causally), so a long
-prompt cannot stall the streams already running. Memory is bounded by a budget on live KV
-rows: a request that would exceed it waits until others finish; none is stopped mid-answer.
+A prompt that needs more than its new tokens computed over its cache (recomputed context
+rows, PML parameters) is prefilled by the engine's own prefill in the workspace, then its
+rows are copied out and it decodes in the batch like the others. Memory is bounded by a
+budget on live KV rows: a request that would exceed it waits until others finish; none is
+stopped mid-answer.
 
 Requests reach it through :meth:`PromptCache.start_batching` (every stream of the engine
 then goes through one scheduler thread) or through :meth:`PromptCache.generate_parts_batch`
@@ -20,6 +22,7 @@ then goes through one scheduler thread) or through :meth:`PromptCache.generate_p
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -31,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..kv import RequestKV
+from ..kv import ModuleKV, RequestKV
 from ..models import UnsupportedModelError
-from ..models.attention import RaggedStep, ragged
+from ..models.attention import CalibratedSpan, RaggedStep, ragged
 from .decode import Decoding, SamplingParams
 from .lock import EngineLock
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
@@ -41,7 +44,7 @@ from .types import ContextOverflowError, GenerationOutput, PrefillResult
 log = logging.getLogger(__name__)
 
 #: new tokens prefilled per scheduler step, across requests (a longer prompt is chunked)
-DEFAULT_PREFILL_TOKENS = 256
+DEFAULT_PREFILL_TOKENS = 128
 #: the most requests decoding together
 DEFAULT_MAX_BATCH = 16
 #: live KV rows (prompt and answer tokens of every admitted request), unless told otherwise
@@ -77,25 +80,29 @@ class _RaggedLayer(DynamicLayer):
 
 @dataclass(eq=False)
 class Request:
-    """One answer to compute. ``prepare(reserve)`` prefills its prompt (or the prompt's first
-    chunk) in the engine's workspace; ``rest`` are new tokens still to prefill after it, in
-    chunks; ``rows`` is the KV rows it will hold (prompt and answer), for the budget. Items go
-    to ``out``: text deltas, then the :class:`GenerationOutput` (or an exception)."""
+    """One answer to compute: either cached ``units`` (states at their positions) and
+    ``new_ids`` starting at position ``start``, prefilled in the batch's steps (``span``: its
+    calibrated keys), or ``prepare(reserve)``, the engine's own prefill in its workspace.
+    ``rows`` is the KV rows it will hold (prompt and answer), for the budget. Items go to
+    ``out``: text deltas, then the :class:`GenerationOutput` (or an exception)."""
 
-    prepare: Callable[[int], PrefillResult]
     params: SamplingParams
     rows: int
-    rest: list[int] = field(default_factory=list)
+    units: list[ModuleKV] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
+    start: int = 0
+    span: CalibratedSpan | None = None
+    prepare: Callable[[int], PrefillResult] | None = None
     t0: float | None = None  # when its wait began; None: when its prefill begins
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set by the scheduler
-    res: PrefillResult | None = None
     kv: RequestKV | None = None
     seq: Decoding | None = None
+    fed: int = 0  # new tokens prefilled so far
     next_pos: int = 0
-    chunked: int = 0  # tokens prefilled in chunks after the first
-    batch: int = 1  # the largest decode batch it joined
+    counts: tuple[int, int, int] = (0, 0, 0)  # cached, computed, recomputed tokens
+    batch: int = 1  # the most sequences it shared a step with
 
     def cancel(self) -> None:
         """Stop at the next step (a client that went away); its rows are freed."""
@@ -136,7 +143,7 @@ class Scheduler:
             DEFAULT_KV_BUDGET_BYTES // per_row, pc.max_positions + 1024)
         self._pending: deque[Request] = deque()
         self._live: list[Request] = []
-        self._filling: Request | None = None  # a request between prefill chunks
+        self._filling: list[Request] = []  # requests whose new tokens are being prefilled
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -158,13 +165,13 @@ class Scheduler:
 
     @property
     def live_rows(self) -> int:
-        return sum(r.rows for r in self._live) + (self._filling.rows if self._filling else 0)
+        return sum(r.rows for r in self._live) + sum(r.rows for r in self._filling)
 
     def stats(self) -> dict:
         """Live and waiting requests, rows held against the budget, and the counters (decode
         steps, sequence-steps decoded, prefills, chunks; ``mean_batch`` = decoded / steps)."""
         steps = self.counts["steps"]
-        return {"live": len(self._live) + (self._filling is not None), "waiting": len(self._pending),
+        return {"live": len(self._live) + len(self._filling), "waiting": len(self._pending),
                 "live_rows": self.live_rows, "kv_budget": self.kv_budget, "max_batch": self.max_batch,
                 "prefill_tokens": self.prefill_tokens, **self.counts,
                 "mean_batch": round(self.counts["decoded"] / steps, 2) if steps else 0.0}
@@ -216,30 +223,28 @@ class Scheduler:
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cond:
-            reqs = list(self._pending) + self._live + ([self._filling] if self._filling else [])
+            reqs = list(self._pending) + self._live + self._filling
             self._pending.clear()
-            self._live, self._filling = [], None
+            self._live, self._filling = [], []
         for r in reqs:
             r.out.put(err)
 
     def step(self) -> None:
-        """One step: drop cancelled requests, prefill within the token budget, then one decode
-        step for every running request."""
+        """One step: drop cancelled requests, admit waiting ones, then one forward for the
+        running requests' next tokens and the prompts being prefilled."""
         with self._lock, torch.no_grad():
             self._drop_cancelled()
-            self._prefill()
-            self._decode()
+            self._admit()
+            self._forward()
 
     def _drop_cancelled(self) -> None:
         with self._cond:
             gone = [r for r in self._pending if r.cancelled.is_set()]
             for r in gone:
                 self._pending.remove(r)
-        gone += [r for r in self._live if r.cancelled.is_set()]
+        gone += [r for r in self._live + self._filling if r.cancelled.is_set()]
         self._live = [r for r in self._live if not r.cancelled.is_set()]
-        if self._filling is not None and self._filling.cancelled.is_set():
-            gone.append(self._filling)
-            self._filling = None
+        self._filling = [r for r in self._filling if not r.cancelled.is_set()]
         for r in gone:
             r.kv = None
             self.counts["cancelled"] += 1
@@ -247,64 +252,96 @@ class Scheduler:
     def _next(self) -> Request | None:
         """The next waiting request, if the batch and the row budget have room for it."""
         with self._cond:
-            if not self._pending or len(self._live) + (self._filling is not None) >= self.max_batch:
+            if not self._pending or len(self._live) + len(self._filling) >= self.max_batch:
                 return None
             r = self._pending[0]
             if (self._live or self._filling) and self.live_rows + r.rows > self.kv_budget:
                 return None  # it waits for rows to be freed: first come, first served
             return self._pending.popleft()
 
-    def _prefill(self) -> None:
+    def _admit(self) -> None:
+        """Take waiting requests in: cached units copied into their own rows (their new tokens
+        are prefilled by the steps), or the engine's own prefill for the others (within the
+        step's token budget)."""
         budget = self.prefill_tokens
         while budget > 0:
-            req = self._filling or self._next()
+            req = self._next()
             if req is None:
                 return
+            if req.t0 is None:
+                req.t0 = time.perf_counter()
             try:
-                if req is self._filling:
-                    budget -= self._chunk(req, budget)
-                else:
-                    budget -= self._first(req)
+                if req.prepare is None:
+                    req.kv = RequestKV.assemble(req.units, len(req.new_ids) + req.params.max_new_tokens,
+                                                self.pc.workspace.shape, self.pc.adapter.dtype, self.pc.adapter.device)
+                    req.units = []  # the rows hold them now
+                    req.next_pos = req.start
+                    req.counts = (req.kv.length, len(req.new_ids), 0)
+                    self._filling.append(req)
+                    continue
+                res = req.prepare(0)
+                budget -= res.computed_tokens
+                self.counts["prefills"] += 1
+                req.kv = RequestKV.from_workspace(self.pc.workspace, req.params.max_new_tokens)
+                req.next_pos = int(res.position_ids.max()) + 1
+                req.span = res.calibrated
+                req.counts = (res.cached_tokens, res.computed_tokens, res.recomputed_tokens)
+                self._begin(req, res.logits)
             except Exception as e:  # noqa: BLE001 - the request's own error (a bad prompt, no room)
-                if req is self._filling:
-                    self._filling = None
                 req.kv = None
                 req.out.put(e)
 
-    def _first(self, req: Request) -> int:
-        """Prefill a new request (or its first chunk); returns the tokens it computed."""
-        if req.t0 is None:
-            req.t0 = time.perf_counter()
-        res = req.prepare(0)
-        self.counts["prefills"] += 1
-        req.res = res
-        req.next_pos = int(res.position_ids.max()) + 1
-        req.kv = RequestKV.from_workspace(self.pc.workspace, len(req.rest) + req.params.max_new_tokens)
-        if req.rest:
-            self._filling = req
-        else:
-            self._begin(req, res.logits)
-        return res.computed_tokens
-
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Prefill the next chunk of ``req``'s new tokens over its own rows."""
-        assert req.kv is not None
-        ids, req.rest = req.rest[:budget], req.rest[budget:]
+    def _forward(self) -> None:
+        """One forward: a token of each running request, and the next chunks of the prompts
+        being prefilled (at most ``prefill_tokens`` of them, oldest first)."""
+        seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in self._live]  # type: ignore[union-attr]
+        budget = self.prefill_tokens
+        for r in self._filling:
+            if budget <= 0:
+                break
+            chunk = r.new_ids[r.fed : r.fed + budget]
+            seqs.append((r, chunk))
+            budget -= len(chunk)
+        if not seqs:
+            return
         dev = self.pc.adapter.device
-        pos = torch.arange(req.next_pos, req.next_pos + len(ids), device=dev)
-        cache = req.kv.cache()
-        logits = self.pc.adapter.forward(torch.tensor(ids, device=dev), pos, cache, None, None)[-1]
-        req.kv.sync(cache)
-        req.next_pos += len(ids)
-        req.chunked += len(ids)
-        self.counts["chunks"] += 1
-        if not req.rest:
-            self._filling = None
-            self._begin(req, logits)
-        return len(ids)
+        kvs = [r.kv for r, _ in seqs]
+        step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
+                          [len(ids) for _, ids in seqs], [r.span for r, _ in seqs])
+        like = kvs[0].k[0, None, :, :0]  # type: ignore[union-attr]  # (1, H, 0, D)
+        longest = max(n + c for n, c in zip(step.lengths, step.counts))
+        n_layers = kvs[0].k.shape[0]  # type: ignore[union-attr]
+        cache = Cache(layers=[_RaggedLayer(step, i, longest, like) for i in range(n_layers)])
+        ids = torch.tensor([t for _, chunk in seqs for t in chunk], dtype=torch.long, device=dev)  # (N,)
+        pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
+                           dtype=torch.long, device=dev)
+        ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
+        with ragged(step):
+            logits = self.pc.adapter.ragged_forward(ids, pos, cache, ends)  # (B, vocab): each one's last token
+        if step.calls == 0:
+            raise UnsupportedModelError(f"{type(self.pc.model).__name__} does not run its attention through "
+                                        "pcache_sdpa: it cannot decode in a batch")
+        B = len(seqs)
+        decoding = len(self._live)
+        self.counts["steps"] += 1
+        self.counts["decoded"] += decoding
+        self.counts["chunks"] += B - decoding
+        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], B)
+        for b, (r, chunk) in enumerate(seqs):
+            r.kv.length += len(chunk)  # type: ignore[union-attr]
+            r.next_pos += len(chunk)
+            r.batch = max(r.batch, B)
+            if b < decoding:
+                self._emit(r, logits[b])
+                continue
+            r.fed += len(chunk)
+            if r.fed == len(r.new_ids):  # its prompt is in: the first token, as in a solo prefill
+                r.new_ids = []
+                self._filling.remove(r)
+                self._begin(r, logits[b])
 
     def _begin(self, req: Request, logits: torch.Tensor) -> None:
-        """The first token: from the prefill's logits, as in a solo decode."""
+        """The first token, from the prefill's logits; then it decodes with the others."""
         assert req.t0 is not None
         req.seq = self.pc.decoder.start(req.params, logits.shape[-1], req.t0)
         self._emit(req, logits)
@@ -312,44 +349,16 @@ class Scheduler:
             self._live.append(req)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
-        assert req.seq is not None and req.res is not None
+        assert req.seq is not None
         delta = req.seq.push(logits)
         if delta:
             req.out.put(delta)
-        if req.seq.done:
+        if req.seq.done:  # out of the batch before its output is seen, so stats() never lag it
+            if req in self._live:
+                self._live.remove(req)
             req.kv = None
             self.counts["finished"] += 1
-            req.out.put(req.seq.output(req.res, req.chunked, req.batch))
-
-    def _decode(self) -> None:
-        live = self._live
-        if not live:
-            return
-        B = len(live)
-        dev = self.pc.adapter.device
-        kvs = [r.kv for r in live]
-        assert all(kv is not None for kv in kvs)
-        step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
-                          [r.res.calibrated for r in live])  # type: ignore[union-attr]
-        like = kvs[0].k[0, None, :, :0]  # type: ignore[union-attr]  # (1, H, 0, D)
-        longest = max(step.lengths)
-        cache = Cache(layers=[_RaggedLayer(step, i, longest, like) for i in range(kvs[0].k.shape[0])])  # type: ignore[union-attr]
-        ids = torch.tensor([r.seq.last for r in live], dtype=torch.long, device=dev)  # type: ignore[union-attr]
-        pos = torch.tensor([r.next_pos for r in live], dtype=torch.long, device=dev)
-        with ragged(step):
-            logits = self.pc.adapter.decode_step(ids, pos, cache)  # (B, vocab)
-        if step.calls == 0:
-            raise UnsupportedModelError(f"{type(self.pc.model).__name__} does not run its attention through "
-                                        "pcache_sdpa: it cannot decode in a batch")
-        self.counts["steps"] += 1
-        self.counts["decoded"] += B
-        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], B)
-        for b, r in enumerate(live):
-            r.kv.length += 1  # type: ignore[union-attr]
-            r.next_pos += 1
-            r.batch = max(r.batch, B)
-            self._emit(r, logits[b])
-        self._live = [r for r in live if not r.seq.done]  # type: ignore[union-attr]
+            req.out.put(req.seq.output(*req.counts, decode_batch=req.batch))
 
 
 def batch_refusal(adapter) -> str:
@@ -361,21 +370,11 @@ def batch_refusal(adapter) -> str:
     return ""
 
 
-def first_chunk(sched: Scheduler | None, ids, chunkable: bool) -> tuple[list[int], list[int]]:
-    """``ids`` split into what the prefill computes and what later chunks do: a prompt is
-    chunked only in a batch, and only where nothing but its new tokens is computed (no
-    recompute, no calibration: both see all new tokens at once)."""
-    ids = list(ids)
-    if sched is None or not chunkable or len(ids) <= sched.prefill_tokens:
-        return ids, []
-    return ids[: sched.prefill_tokens], ids[sched.prefill_tokens :]
-
-
-def stream_request(sched: Scheduler, prepare: Callable[[int], PrefillResult], params: SamplingParams,
-                   rows: Callable[[], int], rest: list[int]) -> Iterator[str | GenerationOutput]:
-    """A stream's items from the batch: the request is submitted at the first item (its TTFT
-    counts from there); closing the stream cancels it."""
-    req = Request(prepare, params, rows(), rest, t0=time.perf_counter())
+def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[str | GenerationOutput]:
+    """A stream's items from the batch: the request is made and submitted at the first item
+    (its TTFT counts from there); closing the stream cancels it."""
+    req = make()
+    req.t0 = time.perf_counter()
     sched.submit(req)
     try:
         for item in req.items():
@@ -384,6 +383,29 @@ def stream_request(sched: Scheduler, prepare: Callable[[int], PrefillResult], pa
             yield item
     finally:
         req.cancel()
+
+
+def rows_of(parts, new_ids, max_new_tokens: int) -> int:
+    """The KV rows a parts request holds at most: its cache, its new tokens and its answer."""
+    return sum(kv.length for _, kv in parts) + len(new_ids) + max_new_tokens
+
+
+def parts_request(pc, parts, new_ids: list[int], params: SamplingParams, prepare: Callable[[int], PrefillResult],
+                  direct: bool, calibration=None) -> Request:
+    """The batch request for cached ``parts`` (label, states) and ``new_ids`` of engine ``pc``:
+    with ``direct``, its new tokens are prefilled in the batch's steps over its own rows (with
+    ``calibration`` on the parts after the first); otherwise (recomputed rows) ``prepare`` is
+    the engine's prefill."""
+    rows = rows_of(parts, new_ids, params.max_new_tokens)
+    if not direct or not new_ids:
+        return Request(params, rows, prepare=prepare)
+    kvs = [kv for _, kv in parts]
+    start = max((int(kv.position_ids[-1]) + 1 for kv in kvs), default=0)
+    if start + len(new_ids) > pc.max_positions:
+        raise ContextOverflowError(f"the prompt needs {start + len(new_ids)} positions; the model takes "
+                                   f"{pc.max_positions}")
+    span = pc.prefiller.calibrated_span(kvs, calibration, False, None)
+    return Request(params, rows, kvs, list(new_ids), start, span)
 
 
 def run_batch(sched: Scheduler, reqs: list[Request]) -> list[GenerationOutput]:

@@ -385,6 +385,9 @@ class Assembler:
     def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         t0 = time.perf_counter()
         plan = self.plan(segments, gen.max_new_tokens)
+        yield from self._decode(plan, t0, recompute, gen)
+
+    def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         prep = time.perf_counter() - t0
         stream = self.pc.stream_parts(plan.parts, plan.new_ids, "prefix", recompute, params=gen)
         try:
@@ -410,8 +413,15 @@ class Assembler:
         return out
 
     def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
-        """Text deltas as they are decoded, then the :class:`CachedOutput`."""
+        """Text deltas as they are decoded, then the :class:`CachedOutput` (planned at the first item)."""
         return self._run(segments, recompute, SamplingParams.of(**gen))
+
+    def stream_planned(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+        """:meth:`stream`, planned now: a prompt too long or unsupported is refused here, and its
+        missing documents are encoded here, before the first item is asked for."""
+        params = SamplingParams.of(**gen)
+        t0 = time.perf_counter()
+        return self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params)
 
 
 def document_ids(pc: PromptCache, text: str) -> list[int]:

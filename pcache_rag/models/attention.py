@@ -28,12 +28,13 @@ share of attention is ``exp(S*T*LSE(s/T))`` and its distribution inside is ``sof
 one flash call with scale ``1/T``, its LSE multiplied by ``S*T``. The preamble and the new
 tokens keep their logits. ``T = S = 1`` is ordinary attention.
 
-**Ragged decode steps** (:func:`ragged`, for continuous batching): one forward decodes one
-token for each of ``B`` sequences that own their keys and values, of any lengths. The
-projections and MLPs run batched (one read of the weights for the batch); the attention
-runs per sequence over that sequence's own rows, exactly as its solo decode step would
-(with its own calibrated span, if any). No padding and no mask: a short sequence reads
-only its own rows.
+**Ragged steps** (:func:`ragged`, for continuous batching): one forward computes the tokens
+of ``B`` sequences that own their keys and values, of any lengths: one token of each
+sequence that decodes, and chunks of the prompts being prefilled, flattened into one query.
+The projections and MLPs run over all of them at once (one read of the weights); the
+attention runs per sequence over that sequence's own rows, by the same call its solo
+prefill or decode step makes (with its own calibrated span, if any). No padding and no
+mask: a short sequence reads only its own rows.
 """
 
 from __future__ import annotations
@@ -193,46 +194,53 @@ def recomputing(spec: RecomputedRows | None):
 
 @dataclass(slots=True, eq=False)
 class RaggedStep:
-    """One decode step of ``B`` sequences that each own their rows: ``keys[b]`` (L, H_kv,
-    capacity, D) and ``values[b]`` (L, H_kv, capacity, Dv) hold sequence ``b``'s first
-    ``lengths[b]`` tokens; this step's token is written at ``lengths[b]`` (:meth:`write`, from
-    the cache layer) and attends to rows ``[0, lengths[b]]``. ``spans[b]``: its calibrated keys."""
+    """One forward over the tokens of ``B`` sequences that each own their rows, flattened into
+    one query of ``N = sum(counts)`` tokens: sequence ``b`` brings ``counts[b]`` tokens (one
+    when it decodes, a chunk of its prompt when it is prefilled), written after the first
+    ``lengths[b]`` rows of its ``keys[b]`` (L, H_kv, capacity, D) and ``values[b]``
+    (:meth:`write`, from the cache layer). Each attends to its own earlier rows unmasked and
+    to its own new tokens causally (:meth:`attend`); ``spans[b]``: its calibrated keys."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: list[int]
+    counts: list[int]
     spans: list[CalibratedSpan | None]
     layer: int = -1  # the layer whose attention runs next (set by write)
     calls: int = 0  # attention calls served (0 after a forward: the model bypassed pcache_sdpa)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store this step's ``key`` (B, H_kv, 1, D) and ``value`` of ``layer`` in each sequence's rows."""
+        """Store this step's ``key`` (1, H_kv, N, D) and ``value`` of ``layer`` in each sequence's rows."""
         self.layer = layer
-        for b, n in enumerate(self.lengths):
-            self.keys[b][layer, :, n].copy_(key[b, :, 0])  # (H_kv, D)
-            self.values[b][layer, :, n].copy_(value[b, :, 0])
+        off = 0
+        for b, (n, c) in enumerate(zip(self.lengths, self.counts)):
+            self.keys[b][layer, :, n : n + c].copy_(key[0, :, off : off + c])  # (H_kv, c, D)
+            self.values[b][layer, :, n : n + c].copy_(value[0, :, off : off + c])
+            off += c
 
     def attend(self, module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """``query`` (B, H, 1, D) -> (B, 1, H, Dv): each row over its own sequence's rows, by
-        the same call its solo decode step makes."""
-        if query.shape[2] != 1 or query.shape[0] != len(self.lengths):
-            raise ValueError(f"{NAME}: a ragged step takes one token per sequence, not {tuple(query.shape)}")
+        """``query`` (1, H, N, D) -> (1, N, H, Dv): each sequence's tokens over its own rows, by the
+        call its own prefill or decode step makes (the split path, or plain attention)."""
+        if query.shape[0] != 1 or query.shape[2] != sum(self.counts):
+            raise ValueError(f"{NAME}: a ragged step of {sum(self.counts)} tokens got a query of {tuple(query.shape)}")
         self.calls += 1
-        i, outs = self.layer, []
+        i, off, outs = self.layer, 0, []
         _ragging.step = None  # the per-sequence calls below are ordinary ones
         try:
-            for b, n in enumerate(self.lengths):
-                k = self.keys[b][i, :, : n + 1][None]  # (1, H_kv, n+1, D), a view
-                v = self.values[b][i, :, : n + 1][None]
+            for b, (n, c) in enumerate(zip(self.lengths, self.counts)):
+                q = query[:, :, off : off + c]  # (1, H, c, D)
+                k = self.keys[b][i, :, : n + c][None]  # (1, H_kv, n+c, D), a view
+                v = self.values[b][i, :, : n + c][None]
                 if self.spans[b] is None:
-                    out, _ = pcache_sdpa(module, query[b : b + 1], k, v, None, scaling=scaling)
+                    out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling)
                 else:
                     with calibrated(self.spans[b]):
-                        out, _ = pcache_sdpa(module, query[b : b + 1], k, v, None, scaling=scaling)
-                outs.append(out)  # (1, 1, H, Dv)
+                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling)
+                outs.append(out)  # (1, c, H, Dv)
+                off += c
         finally:
             _ragging.step = self
-        return torch.cat(outs)
+        return torch.cat(outs, dim=1)
 
 
 @contextmanager

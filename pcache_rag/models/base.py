@@ -116,6 +116,21 @@ class Adapter:
         )
         return out.logits[0]
 
+    def ragged_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+                       keep: torch.Tensor) -> torch.Tensor:
+        """The tokens of several sequences flattened into one query, ``input_ids`` and
+        ``position_ids`` (N,), inside :func:`~pcache_rag.models.attention.ragged` (which keeps
+        the sequences apart); returns the logits of the rows ``keep`` (M,) as (M, vocab)."""
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=None,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0]
+
     def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
         """One token for each of ``B`` sequences: ``input_ids``/``position_ids`` (B,), ``cache``
         holding ``B`` rows of equal length. Returns next-token logits (B, vocab). Not for ALiBi,

@@ -28,15 +28,17 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connection
 
 
 def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, max_new_tokens: int = 128,
-          max_upload_mb: float = 20.0, log_level: str = "info", allowed_hosts=None, api_key: str | None = None,
-          max_connections: int | None = None, header_timeout: float = 10.0) -> None:
+          max_batch: int = 16, prefill_tokens: int = 128, max_upload_mb: float = 20.0, log_level: str = "info",
+          allowed_hosts=None, api_key: str | None = None, max_connections: int | None = None,
+          header_timeout: float = 10.0) -> None:
     """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted. ``allowed_hosts``
     defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`)."""
     import uvicorn
 
     from .guard import allowed_hosts_for
 
-    app = create_app(AnswerService(rag, max_queue=max_queue, max_new_tokens=max_new_tokens),
+    app = create_app(AnswerService(rag, max_queue=max_queue, max_new_tokens=max_new_tokens, max_batch=max_batch,
+                                   prefill_tokens=prefill_tokens),
                      max_upload_mb=max_upload_mb, api_key=api_key,
                      allowed_hosts=allowed_hosts if allowed_hosts is not None else allowed_hosts_for(host))
     uvicorn.Server(server_config(app, host, port, max_connections, header_timeout, log_level)).run()

@@ -1,33 +1,36 @@
 """The answering service behind the web app and the OpenAI-compatible API.
 
-One worker thread owns the engine's answers: requests wait in a bounded FIFO queue
-(fair by arrival), and a full queue is refused at once (:class:`Busy`, which the app
-turns into 503 + Retry-After) instead of piling up. The engine is serialized, so a
-queue in front of one worker is what it can do; decode steps of different requests are
-not batched. Ingestion runs in its own thread: questions asked meanwhile are answered
+Requests wait in a bounded FIFO queue (fair by arrival), and a full queue is refused at
+once (:class:`Busy`, which the app turns into 503 + Retry-After) instead of piling up.
+One worker thread takes them in order, retrieves and builds each prompt, and hands its
+stream to the engine's continuous batch (:meth:`PromptCache.start_batching`): up to
+``max_batch`` answers decode together, one forward per token step, and each streams as
+its tokens come. With ``max_batch=1`` (or a model that cannot batch) answers are decoded
+one at a time. Ingestion runs in its own thread: questions asked meanwhile are answered
 from the chunks indexed so far, and say so.
 
 Events of a request reach the asyncio side through ``loop.call_soon_threadsafe``; a
-client that goes away sets ``cancelled`` and the worker closes the generation at its
-next token, which releases the engine.
+client that goes away sets ``cancelled`` and its stream is closed at the next token,
+which takes it out of the batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
 
-from ..engine import ContextOverflowError, Generation
+from ..engine import ContextOverflowError
+from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
 from ..discovery import MIN_CHARS
 from ..rag.prompt import user_turn
 
@@ -112,14 +115,25 @@ class AnswerService:
     """Questions through one worker and a bounded queue; ingestion beside it.
 
     ``rag`` is a :class:`~pcache_rag.rag.CachedRAG`; ``max_queue`` bounds the waiting
-    questions (the running one not counted); ``max_new_tokens`` is the default answer
-    length; ``upload_dir`` is where uploaded files are kept (default ``<index>/uploads``).
+    questions (those being answered not counted); ``max_batch`` is how many are answered
+    together (1: one at a time) and ``prefill_tokens`` how many prompt tokens a batch step
+    computes besides decoding (longer prompts are prefilled in chunks); ``max_new_tokens``
+    is the default answer length;
+    ``upload_dir`` is where uploaded files are kept (default ``<index>/uploads``).
     """
 
-    def __init__(self, rag, max_queue: int = 64, max_new_tokens: int = 128, upload_dir: str | Path | None = None):
-        if max_queue < 1:
-            raise ValueError("max_queue must be at least 1")
+    def __init__(self, rag, max_queue: int = 64, max_new_tokens: int = 128, upload_dir: str | Path | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS):
+        if max_queue < 1 or max_batch < 1:
+            raise ValueError("max_queue and max_batch must be at least 1")
         self.rag = rag
+        refusal = rag.pc.batch_refusal
+        if max_batch > 1 and refusal:
+            log.warning("answers are decoded one at a time: %s", refusal)
+        self.max_batch = 1 if refusal else int(max_batch)
+        self.prefill_tokens = int(prefill_tokens)
+        self._slots = threading.Semaphore(self.max_batch)  # answers in flight
+        self._own_batch = False  # whether this service started the engine's batch
         self.max_new_tokens = int(max_new_tokens)
         self.upload_dir = Path(upload_dir) if upload_dir else Path(rag.index_dir) / "uploads"
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -128,13 +142,21 @@ class AnswerService:
         self._ingest_thread: threading.Thread | None = None
         self._ingest_lock = threading.Lock()
         self.ingest_state = IngestState()
-        self.running: str | None = None  # id of the job being answered
+        self._running: set[str] = set()  # ids of the jobs being answered
         self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0}
         self._job_s: list[float] = []  # recent service times, for Retry-After
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def running(self) -> str | None:
+        """The id of a job being answered (the oldest), or None."""
+        return next(iter(self._running), None)
+
     def start(self) -> None:
+        if self.max_batch > 1 and self.rag.pc.scheduler is None:
+            self.rag.pc.start_batching(max_batch=self.max_batch, prefill_tokens=self.prefill_tokens)
+            self._own_batch = True
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, name="pcache-answer", daemon=True)
             self._worker.start()
@@ -175,6 +197,9 @@ class AnswerService:
             self._q.put(None)
             self._worker.join(timeout)
         self._worker = None
+        if self._own_batch:
+            self.rag.pc.stop_batching()
+            self._own_batch = False
         if self._ingest_thread is not None:
             self._ingest_thread.join(timeout)
 
@@ -240,29 +265,52 @@ class AnswerService:
     def _retry_after(self) -> int:
         recent = self._job_s[-16:]
         per = sum(recent) / len(recent) if recent else 2.0
-        return max(1, round(per * (self._q.qsize() + 1) / 2))
+        return max(1, round(per * (self._q.qsize() + 1) / max(2, self.max_batch)))  # answers overlap
 
     def _work(self) -> None:
         while True:
+            self._slots.acquire()  # a free place in the batch before the next job is taken
             job = self._q.get()
             if job is None:
+                self._slots.release()
                 return
             if job.cancelled.is_set():
                 self.counts["cancelled"] += 1
+                self._slots.release()
                 continue
-            self.running = job.id
+            self._running.add(job.id)
             t0 = time.perf_counter()
-            try:
-                self._answer(job)
-            except Exception as e:  # noqa: BLE001 - one bad request never stops the worker
-                self.counts["failed"] += 1
-                log.exception("answering %r failed", job.question[:80])
-                job.emit("error", {"status": 500, "message": f"{type(e).__name__}: {e}"})
-            finally:
-                self.running = None
-                self._job_s.append(time.perf_counter() - t0)
-                del self._job_s[:-64]
-                job.emit(None)
+            opened = self._guarded(job, self._open, job)
+            if opened is None:
+                self._done(job, t0)
+            elif self.max_batch == 1:
+                self._guarded(job, self._drain, job, opened)
+                self._done(job, t0)
+            else:  # it streams from the batch in a thread of its own; the worker takes the next
+                threading.Thread(target=self._stream_job, args=(job, opened, t0), name="pcache-stream",
+                                 daemon=True).start()
+
+    def _stream_job(self, job: Job, opened: _Opened, t0: float) -> None:
+        try:
+            self._guarded(job, self._drain, job, opened)
+        finally:
+            self._done(job, t0)
+
+    def _guarded(self, job: Job, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - one bad request never stops the service
+            self.counts["failed"] += 1
+            log.exception("answering %r failed", job.question[:80])
+            job.emit("error", {"status": 500, "message": f"{type(e).__name__}: {e}"})
+            return None
+
+    def _done(self, job: Job, t0: float) -> None:
+        self._running.discard(job.id)
+        self._job_s.append(time.perf_counter() - t0)
+        del self._job_s[:-64]
+        job.emit(None)
+        self._slots.release()
 
     def _plain_stream(self, job: Job):
         """The plain model: the prompt as sent, through the RAG index's own Assembler (its
@@ -270,7 +318,7 @@ class AnswerService:
         asm = self.rag.asm
         self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
         segs = asm.message_segments(job.messages) if job.messages is not None else asm.text_segments(job.prompt or "")
-        return asm.stream(segs, **job.gen)
+        return asm.stream_planned(segs, **job.gen)
 
     def _carries_documents(self, job: Job) -> bool:
         """Whether the question holds the text of one of the index's chunks (or another known
@@ -295,9 +343,10 @@ class AnswerService:
         if rag.calibration[0] is not None:
             notes.append(f"the index's calibrated attention ({rag.calibration[0]}) applies to single questions, "
                          "not to conversations: this answer is uncalibrated")
-        return rag.asm.stream(rag.asm.message_segments(turns), recompute=rag.recompute, **job.gen)
+        return rag.asm.stream_planned(rag.asm.message_segments(turns), recompute=rag.recompute, **job.gen)
 
-    def _answer(self, job: Job) -> None:
+    def _open(self, job: Job) -> _Opened | None:
+        """Retrieve and build the job's stream, up to its first item (None: an error was sent)."""
         rag = self.rag
         queued = time.perf_counter() - job.submitted
         t0 = time.perf_counter()
@@ -319,19 +368,21 @@ class AnswerService:
                 handles = rag.retrieve(job.question, job.k, notes=notes)
                 retrieve_s = time.perf_counter() - t0
                 stream = self._rag_stream(job, handles, notes)
-            # A prompt through the Assembler is planned at its first item: a prompt too long or
-            # unsupported is the client's error, said before anything streams. The RAG path
-            # checked its prompt already, and starts at once (the engine may be busy).
-            first = [] if isinstance(stream, Generation) else [next(stream, None)]
+            # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
+            # unsupported is the client's error, said before anything streams
         except (ContextOverflowError, ValueError, TypeError) as e:
             job.emit("error", {"status": 400, "message": str(e)})
-            return
-        first = [x for x in first if x is not None]
-        ttft = time.perf_counter() - t0 if first and isinstance(first[0], str) else None
+            return None
         job.emit("start", {"sources": [_source(h) for h in handles or []], "queued_s": queued, "notes": notes})
-        out = None
+        return _Opened(stream, t0, queued, retrieve_s, notes, handles)
+
+    def _drain(self, job: Job, o: _Opened) -> None:
+        """Stream the job's answer to its events, then its statistics (and the comparison)."""
+        rag, stream, t0, notes, handles = self.rag, o.stream, o.t0, o.notes, o.handles
+        queued, retrieve_s = o.queued, o.retrieve_s
+        out, ttft = None, None
         try:
-            for item in itertools.chain(first, stream):
+            for item in stream:
                 if job.cancelled.is_set():
                     break
                 if not isinstance(item, str):  # an Assembler stream ends with its CachedOutput
@@ -429,7 +480,9 @@ class AnswerService:
             "calibration": dict(zip(("attention", "source"), self.rag.calibration)),
             "conditioning": self.rag.asm.conditioning,
             "retrieval": self.rag.retrieval,
-            "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": self.running is not None},
+            "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": bool(self._running),
+                      "answering": len(self._running), "max_batch": self.max_batch},
+            "batch": self.rag.pc.scheduler.stats() if self.rag.pc.scheduler else None,
             **self.counts,
             "ingest": self.ingest_status(),
         }
@@ -439,6 +492,18 @@ class AnswerService:
         total, files, and the report or error once it ended."""
         st = self.ingest_state
         return {k: v for k, v in vars(st).items() if k != "started"}
+
+
+@dataclass
+class _Opened:
+    """A job's stream once built and started, and what its statistics need."""
+
+    stream: Any
+    t0: float
+    queued: float
+    retrieve_s: float
+    notes: list[str]
+    handles: list | None
 
 
 def _source(h) -> dict:

@@ -1,0 +1,145 @@
+"""Load test of the OpenAI-compatible server: concurrent streamed questions, batched against
+one at a time, in one run.
+
+Starts the real server (uvicorn on a loopback port) over the sample-corpus index, twice:
+once with ``max_batch=1`` (the queue: one answer at a time) and once with continuous
+batching. At each concurrency, that many clients send their questions at once over HTTP
+(k=2 retrieved chunks, greedy, 24 new tokens) and read the streamed answers. Reports per
+mode and concurrency: throughput (answers/s and tokens/s), client-side TTFT p50/p95 and
+whether every answer equals its one-at-a-time answer.
+
+    .venv/bin/python scripts/measure-load.py [--concurrency 1,16,64] [--max-batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ask(url: str, q: str, max_tokens: int) -> tuple[str, float, int, float, dict]:
+    """(answer, TTFT, completion tokens, seconds, the server's own figures) of one streamed question."""
+    body = {"model": "pcache-rag", "messages": [{"role": "user", "content": q}], "stream": True, "temperature": 0,
+            "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, parts, tokens, server = None, [], 0, {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            ev = json.loads(data)
+            if ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                ttft = ttft or time.perf_counter() - t0
+                parts.append(ev["choices"][0]["delta"]["content"])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("pcache"):
+                server.update(ev["pcache"])
+    return ("".join(parts), ttft if ttft is not None else time.perf_counter() - t0, tokens, time.perf_counter() - t0,
+            server)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--index", default=None, help="index directory (default: the demo index of the sample corpus)")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--prefill-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--batched-only", action="store_true", help="skip the queue (for tuning)")
+    a = ap.parse_args()
+
+    import uvicorn
+
+    from pcache_rag.default_model import cache_home
+    from pcache_rag.engine import PromptCache
+    from pcache_rag.rag import CachedRAG
+    from pcache_rag.samples import QUESTIONS, build_corpus
+    from pcache_rag.serve import AnswerService, create_app, server_config
+
+    index = Path(a.index) if a.index else cache_home() / "demo-index"
+    pc = PromptCache.from_pretrained(None, cache_dir=str(index / "kv"))
+    rag = CachedRAG(index, pc=pc, k=2)
+    if rag.index.count() == 0:
+        rag.ingest([build_corpus(cache_home() / "sample-corpus")])
+    levels = [int(x) for x in a.concurrency.split(",")]
+    questions = (QUESTIONS * (max(levels) // len(QUESTIONS) + 1))[: max(levels)]
+    results: dict = {"index_chunks": rag.index.count(), "k": 2, "max_tokens": a.max_tokens, "modes": {}}
+    reference: dict[str, str] = {}
+    modes = (("queue", 1), ("batched", a.max_batch)) if not a.batched_only else (("batched", a.max_batch),)
+    for mode, mb in modes:
+        service = AnswerService(rag, max_queue=max(levels) + 8, max_new_tokens=a.max_tokens, max_batch=mb,
+                                prefill_tokens=a.prefill_tokens)
+        port = _port()
+        server = uvicorn.Server(server_config(create_app(service), "127.0.0.1", port, log_level="warning"))
+        th = threading.Thread(target=server.run, daemon=True)
+        th.start()
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        _ask(url, questions[0], a.max_tokens)  # warm: embedder, preamble states, first kernels
+        rows = {}
+        for c in levels:
+            qs = questions[:c]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as ex:
+                got = list(ex.map(lambda q: _ask(url, q, a.max_tokens), qs))
+            wall = time.perf_counter() - t0
+            for q, g in zip(qs, got):
+                reference.setdefault(q, g[0])
+            same = sum(g[0] == reference[q] for q, g in zip(qs, got))
+            ttfts = [g[1] for g in got]
+            row = {"answers_per_s": c / wall, "tokens_per_s": sum(g[2] for g in got) / wall,
+                   "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": _pct(ttfts, 0.95), "wall_s": wall,
+                   "identical": f"{same}/{c}",
+                   "server_queued_p50_s": statistics.median(g[4].get("queued_s", 0.0) for g in got),
+                   "server_ttft_p50_s": statistics.median(g[4].get("ttft_s", 0.0) for g in got)}
+            rows[c] = row
+            print(f"{mode:8s} c={c:3d}: {row['answers_per_s']:.2f} answers/s, {row['tokens_per_s']:.1f} tokens/s, "
+                  f"TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, wall {wall:.1f} s, "
+                  f"identical to one at a time {same}/{c}; in the server: queued p50 {row['server_queued_p50_s']:.2f} s, "
+                  f"TTFT after that p50 {row['server_ttft_p50_s']:.2f} s", flush=True)
+        results["modes"][mode] = rows
+        if service.rag.pc.scheduler is not None:
+            results["modes"][mode]["scheduler"] = service.rag.pc.scheduler.stats()
+        server.should_exit = True
+        th.join(30)
+    q1 = results["modes"].get("queue", {})
+    for c in levels if q1 else ():
+        b = results["modes"]["batched"][c]
+        print(f"c={c}: throughput batched / queue = {b['answers_per_s'] / q1[c]['answers_per_s']:.2f}x "
+              f"(against one at a time, c=1 of the queue: {b['answers_per_s'] / q1[levels[0]]['answers_per_s']:.2f}x)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    rag.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
