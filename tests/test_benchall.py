@@ -8,7 +8,7 @@ import pytest
 
 from pcache_rag.cli import main
 
-FIGURES = ("length", "fraction", "recompute", "size", "encoding", "ingest", "scaffold", "memory")
+FIGURES = ("length", "fraction", "recompute", "size", "encoding", "ingest", "scaffold", "memory", "concurrency")
 
 
 @pytest.mark.slow  # every figure of the benchmark at quick sizes: minutes on a 2-core CPU; `make test-slow`
@@ -43,5 +43,8 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     rc = {r[0]: r for r in raw["figures"]["recompute"]["rows"]}
     assert set(rc) == {"full prefill", "none", "epic:4"} and rc["none"][1] == 0 and rc["epic:4"][1] > 0
     assert "TTFT speed-up by recompute mode (split path; dense mask)" in heads
+    conc = raw["figures"]["concurrency"]["rows"]
+    assert [r[0] for r in conc] == [1, 2] and all(r[8] == f"{r[0]}/{r[0]}" for r in conc)  # same answers batched
+    assert "throughput, continuous batching against the queue" in heads
     sc = {r[0]: r for r in raw["figures"]["scaffold"]["rows"]}
     assert set(sc) == {"full prefill", "separate modules", "scaffold"} and sc["scaffold"][2] == 2

@@ -14,7 +14,9 @@ Writes ``benchmarks.md`` (machine, date, versions; a table and a PNG plot per fi
   whether encoding several chunks in one batch pays;
 * ``scaffold``: joint (scaffold) encoding against separate modules on cross-document
   questions, with full prefill as the baseline;
-* ``memory``: bytes per cached token (formula against measured) and disk use per 1,000 chunks.
+* ``memory``: bytes per cached token (formula against measured) and disk use per 1,000 chunks;
+* ``concurrency``: throughput and TTFT against the number of concurrent requests, continuous
+  batching against the queue (one answer at a time).
 
 Every speed-up is against full prefill of the same model and tokens in the same run. Nothing
 is estimated: a tier or device that is not there is reported as not run.
@@ -69,11 +71,15 @@ class Sizes:
     ingest_files: int = 40
     scaffold_questions: int = 40
     doc_tokens: int = 400
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    load_new_tokens: int = 24
+    load_doc_tokens: int = 256
 
 
 QUICK = Sizes(lengths=(128, 256), repeats=1, fraction_tokens=256, fractions=(0.0, 0.5, 1.0), size_lengths=(128,),
               size_models=("tiny-a", "tiny-b"), chunk_sizes=(64, 128), batch_sizes=(1, 2), ingest_files=3,
-              scaffold_questions=2, doc_tokens=64, recompute_tokens=256, recompute_modes=("none", "epic:4"))
+              scaffold_questions=2, doc_tokens=64, recompute_tokens=256, recompute_modes=("none", "epic:4"),
+              concurrency=(1, 2), load_new_tokens=4, load_doc_tokens=32)
 
 #: Llama shapes for the size sweep: public models' shapes (random weights, no download) and
 #: two tiny ones for ``--quick``. (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -340,6 +346,72 @@ def fig_recompute(model, tok, sz: Sizes, device, log) -> Figure:
     return fig
 
 
+def fig_concurrency(model, tok, sz: Sizes, device, log) -> Figure:
+    """Throughput and TTFT against concurrent requests: continuous batching against the queue."""
+    import threading
+
+    from ..engine import PromptCache
+    from ..engine.scheduler import DEFAULT_MAX_BATCH
+
+    pc = PromptCache(model, tok, store_dtype=torch.float16)
+    pre = _context_ids(tok, 64, seed=99)
+    pool = [pc.encode(_context_ids(tok, sz.load_doc_tokens, seed=200 + i), list(range(64, 64 + sz.load_doc_tokens)))
+            for i in range(8)]
+    pre_kv = pc.encode(pre, list(range(64)))
+    n = max(sz.concurrency)
+    reqs = []
+    for i in range(n):  # k=2 documents per request, placed after the preamble, and a question of its own
+        a, b = pool[i % 8], pool[(i * 3 + 1) % 8]
+        parts = [("pre", pre_kv), ("d0", pc.place(a, 64)), ("d1", pc.place(b, 64 + sz.load_doc_tokens))]
+        reqs.append((parts, _context_ids(tok, 20, seed=1000 + i)))
+    fig = Figure("concurrency", f"Throughput and TTFT against concurrent requests (k=2 documents of "
+                 f"{sz.load_doc_tokens} tokens, {sz.load_new_tokens} new tokens each)",
+                 ["concurrent", "queue answers/s", "batched answers/s", "throughput gain", "queue TTFT p50 s",
+                  "queue TTFT p95 s", "batched TTFT p50 s", "batched TTFT p95 s", "identical answers"])
+
+    def load(c: int) -> tuple[float, list[float], list[str]]:
+        outs: list = [None] * c
+        go = threading.Barrier(c + 1)
+
+        def one(i: int) -> None:
+            go.wait()
+            outs[i] = pc.generate_parts(*reqs[i], max_new_tokens=sz.load_new_tokens)
+
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(c)]
+        for t in ths:
+            t.start()
+        go.wait()
+        t0 = time.perf_counter()
+        for t in ths:
+            t.join()
+        wall = time.perf_counter() - t0
+        return c / wall, sorted(o.ttft_s for o in outs), [o.text for o in outs]
+
+    def pct(xs: list[float], p: float) -> float:
+        return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+    pc.generate_parts(*reqs[0], max_new_tokens=2)  # warm
+    for c in sz.concurrency:
+        q_rate, q_ttft, q_text = load(c)
+        pc.start_batching(max_batch=DEFAULT_MAX_BATCH)
+        try:
+            b_rate, b_ttft, b_text = load(c)
+        finally:
+            pc.stop_batching()
+        same = sum(x == y for x, y in zip(q_text, b_text))
+        fig.rows.append([c, q_rate, b_rate, b_rate / q_rate, statistics.median(q_ttft), pct(q_ttft, 0.95),
+                         statistics.median(b_ttft), pct(b_ttft, 0.95), f"{same}/{c}"])
+        log(f"[concurrency] {c}: queue {q_rate:.2f}/s, batched {b_rate:.2f}/s (x{b_rate / q_rate:.1f}); TTFT p50 "
+            f"{statistics.median(q_ttft):.2f} s vs {statistics.median(b_ttft):.2f} s; identical {same}/{c}")
+    fig.notes.append(f"In-process: `concurrent` threads send their requests at once to one engine. Queue: the "
+                     f"engine answers one at a time (its lock is the queue); batched: `PromptCache.start_batching` "
+                     f"with max_batch={DEFAULT_MAX_BATCH} (more requests wait for a place), every step one forward "
+                     "over the running answers' next tokens and the new prompts' tokens. TTFT counts from the "
+                     "request, its wait included. Greedy decoding; 'identical' compares each batched answer with "
+                     "its queued one. The HTTP server's own load test is `scripts/measure-load.py`.")
+    return fig
+
+
 def _random_llama(shape: str, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -589,6 +661,19 @@ def _plot(fig: Figure, out: Path) -> None:
         for i, r in enumerate(fig.rows):
             ax.annotate(f"{r[6]:.0f} ms", (i, acc[i]), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         ax.set_ylabel("accuracy (%), 95% interval; median TTFT above")
+    elif fig.key == "concurrency":
+        xs = [r[0] for r in fig.rows]
+        ax.plot(xs, [r[1] for r in fig.rows], marker="o", label="queue answers/s")
+        ax.plot(xs, [r[2] for r in fig.rows], marker="o", label="batched answers/s")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r[6] for r in fig.rows], ls="--", marker="x", color="gray", label="batched TTFT p50 s")
+        ax2.plot(xs, [r[4] for r in fig.rows], ls=":", marker="x", color="black", label="queue TTFT p50 s")
+        ax2.set_yscale("log")
+        ax2.set_ylabel("TTFT p50 (s)")
+        ax2.legend(fontsize=7, loc="center right")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("answers per second")
     elif fig.key == "memory":
         rows = [r for r in fig.rows if r[1] != ""]
         xs = range(len(rows))
@@ -675,6 +760,12 @@ def headline(figs: list[Figure]) -> list[tuple[str, str]]:
     if "scaffold" in by and by["scaffold"].rows:
         out.append(("cross-document questions: full / separate / scaffold",
                     " · ".join(f"{r[0]} {r[1]}/{r[2]} ({_x(r[7])})" for r in by["scaffold"].rows)))
+    if "concurrency" in by and by["concurrency"].rows:
+        rows = by["concurrency"].rows
+        out.append(("throughput, continuous batching against the queue",
+                    " · ".join(f"{r[0]}: {_x(r[3])}" for r in rows)))
+        out.append(("TTFT p50 / p95, batched (queue)",
+                    " · ".join(f"{r[0]}: {r[6]:.1f}/{r[7]:.1f} s ({r[4]:.1f}/{r[5]:.1f} s)" for r in rows)))
     if "memory" in by and by["memory"].rows:
         rows = [r for r in by["memory"].rows if r[1] != ""]
         out.append(("bytes per cached token (measured)", " · ".join(f"{r[0]}: {r[2]:,.0f}" for r in rows)))
@@ -741,6 +832,7 @@ def run_all(model_path=None, quick: bool = False, device: str = "cpu", out="docs
         figs += [enc, thr]
         figs.append(fig_scaffold(model, tok, sz, log))
         figs.append(fig_memory(model, tok, raw["ingest"], log))
+        figs.append(fig_concurrency(model, tok, sz, device, log))
     for fig in figs:
         _plot(fig, out)
     seconds = time.perf_counter() - t0
