@@ -151,7 +151,7 @@ class AnswerService:
     @property
     def running(self) -> str | None:
         """The id of a job being answered (the oldest), or None."""
-        return next(iter(self._running), None)
+        return next(iter(tuple(self._running)), None)  # a copy: stream threads change the set
 
     def start(self) -> None:
         if self.max_batch > 1 and self.rag.pc.scheduler is None:
