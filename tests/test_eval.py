@@ -4,6 +4,8 @@ numbers are finite and consistent, and the Markdown table and PNG plot are writt
 import json
 import math
 
+import pytest
+
 from pcache_rag.cli import main
 from pcache_rag.measure.quality import DEFAULT_MODES, SETS, build_sets, contains, inputs_hash, mcnemar_p, token_f1, wilson
 
@@ -63,6 +65,7 @@ def test_sets_are_seeded_and_plant_their_answers(smol_tok):
         assert any(q.answer in d for d in q.docs) and len(q.docs) == 4
 
 
+@pytest.mark.slow  # ~40 s: the whole eval command end to end (as bench all --quick); `make test-slow`
 def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
     out = tmp_path / "docs"
     rc = main(["eval", "quality", "--n", "1", "--doc-tokens", "48", "--max-new-tokens", "6", "--model", str(smol_dir),
