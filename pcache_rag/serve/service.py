@@ -150,7 +150,7 @@ class AnswerService:
 
     @property
     def running(self) -> str | None:
-        """The id of a job being answered (the oldest), or None."""
+        """The id of a job being answered (any of them, when several are), or None."""
         return next(iter(tuple(self._running)), None)  # a copy: stream threads change the set
 
     def start(self) -> None:
