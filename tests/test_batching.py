@@ -73,8 +73,8 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
     cache = Cache(layers=[_RaggedLayer(step, i, 0, like) for i in range(seqs[0][0].k.shape[0])])
     ends = torch.tensor(step.counts).cumsum(0) - 1
     with ragged(step):
-        got = pc.adapter.ragged_forward(torch.tensor([t for _, ts, _ in seqs for t in ts]),
-                                        torch.cat([p for *_, p in seqs]), cache, ends)
+        got = pc.adapter.forward(torch.tensor([t for _, ts, _ in seqs for t in ts]), torch.cat([p for *_, p in seqs]),
+                                 cache, None, None, logits_to_keep=ends)
     assert step.calls == pc.adapter.kv_shape.n_layers
     for b, want in enumerate(solo):
         assert (got[b] - want).abs().max() < 1e-4, b

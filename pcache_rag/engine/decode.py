@@ -206,11 +206,12 @@ class Decoding:
             self.finish, self.done = "eos", True
         elif len(self.tokens) >= p.max_new_tokens:
             self.done = True
-        return delta + self._flush() if self.done else delta
+        return delta + self._flush(text) if self.done else delta
 
-    def _flush(self) -> str:
-        """At the end (not on a stop string): the text held back so far."""
-        text = self._text()
+    def _flush(self, text: str | None = None) -> str:
+        """At the end (not on a stop string): the text held back so far (``text``: the tokens'
+        text, when already decoded)."""
+        text = self._text() if text is None else text
         delta = text[len(self.emitted) :] if len(text) > len(self.emitted) else ""
         self.emitted = text
         return delta

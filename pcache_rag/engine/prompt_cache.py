@@ -38,7 +38,7 @@ from .listeners import Listeners
 from .lock import EngineLock
 from .prefill import Prefiller
 from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, batch_refusal, parts_request,
-                        rows_of, run_batch, stream_request)
+                        run_batch, stream_request)
 from .schemas import SchemaRegistry, SchemaState
 from .types import (
     DEFAULT_ENCODING,
@@ -309,8 +309,9 @@ class PromptCache:
         """Text deltas as they are decoded (same arguments as :meth:`generate`, or ``params``);
         the returned :class:`Generation` holds the output once exhausted."""
         policy, sp = self.policy(recompute), SamplingParams.of(params, **gen)
-        return self._generation(lambda r: self._prefill_prompt(prompt_pml, r, policy), sp,
-                                lambda: self.schemas.rows(prompt_pml) + sp.max_new_tokens)
+        prepare = lambda r: self._prefill_prompt(prompt_pml, r, policy)  # noqa: E731
+        return self._generation(prepare, sp, lambda: Request(sp, self.schemas.rows(prompt_pml) + sp.max_new_tokens,
+                                                             prepare=prepare))
 
     def generate_parts(self, parts: Parts, new_ids: list[int], preamble: str | None = None,
                        recompute: str | Recompute | None = None, calibration: str | Calibration | None = None,
@@ -325,7 +326,6 @@ class PromptCache:
         sp = SamplingParams.of(params, **gen)
         policy, cal = self.policy(recompute), Calibration.parse(calibration)
         return self._generation(self._parts_prepare(parts, new_ids, preamble, policy, cal), sp,
-                                lambda: rows_of(parts, new_ids, sp.max_new_tokens),
                                 lambda: self._request(parts, new_ids, preamble, policy, cal, sp))
 
     def _parts_prepare(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
@@ -352,16 +352,14 @@ class PromptCache:
         return self.stream_parts([], self.text_ids(text), **gen)
 
     def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams,
-                    rows: Callable[[], int], make: Callable[[], Request] | None = None) -> Generation:
-        """A stream: alone over the workspace, or, with batching on, in the scheduler's batch
-        (``rows``: the KV rows it will hold; ``make``: its batch request, when it is not just
-        ``prepare``)."""
+                    make: Callable[[], Request]) -> Generation:
+        """A stream: ``prepare`` then decoding alone over the workspace, or, with batching on, the
+        request ``make`` builds, in the scheduler's batch."""
         sched = self.scheduler
         if sched is None or self.batch_refusal:
             return Generation(self._run(prepare, params, self.batch_refusal if sched else ""),
                               on_done=self.listeners.notify)
-        return Generation(stream_request(sched, make or (lambda: Request(params, rows(), prepare=prepare))),
-                          on_done=self.listeners.notify)
+        return Generation(stream_request(sched, make), on_done=self.listeners.notify)
 
     def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams, unbatched: str = ""):
         """Prefill with ``prepare(reserve)`` and decode; yields text deltas, then the output.

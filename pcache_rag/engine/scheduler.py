@@ -317,7 +317,7 @@ class Scheduler:
                            dtype=torch.long, device=dev)
         ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
         with ragged(step):
-            logits = self.pc.adapter.ragged_forward(ids, pos, cache, ends)  # (B, vocab): each one's last token
+            logits = self.pc.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
         if step.calls == 0:
             raise UnsupportedModelError(f"{type(self.pc.model).__name__} does not run its attention through "
                                         "pcache_sdpa: it cannot decode in a batch")
@@ -385,18 +385,13 @@ def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[st
         req.cancel()
 
 
-def rows_of(parts, new_ids, max_new_tokens: int) -> int:
-    """The KV rows a parts request holds at most: its cache, its new tokens and its answer."""
-    return sum(kv.length for _, kv in parts) + len(new_ids) + max_new_tokens
-
-
 def parts_request(pc, parts, new_ids: list[int], params: SamplingParams, prepare: Callable[[int], PrefillResult],
                   direct: bool, calibration=None) -> Request:
     """The batch request for cached ``parts`` (label, states) and ``new_ids`` of engine ``pc``:
     with ``direct``, its new tokens are prefilled in the batch's steps over its own rows (with
     ``calibration`` on the parts after the first); otherwise (recomputed rows) ``prepare`` is
     the engine's prefill."""
-    rows = rows_of(parts, new_ids, params.max_new_tokens)
+    rows = sum(kv.length for _, kv in parts) + len(new_ids) + params.max_new_tokens  # cache, prompt, answer
     if not direct or not new_ids:
         return Request(params, rows, prepare=prepare)
     kvs = [kv for _, kv in parts]

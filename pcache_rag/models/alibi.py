@@ -60,7 +60,7 @@ class AlibiAdapter(Adapter):
         kwargs["attention_mask"] = mask
         return args, kwargs
 
-    def forward(self, input_ids, position_ids, cache, allowed, key_positions, logits_to_keep: int = 1):
+    def forward(self, input_ids, position_ids, cache, allowed, key_positions, logits_to_keep: int | torch.Tensor = 1):
         q = input_ids.shape[0]
         if allowed is None:  # plain causal over a fresh cache
             allowed = torch.ones(q, q, dtype=torch.bool, device=input_ids.device).tril_()

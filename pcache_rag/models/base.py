@@ -102,9 +102,10 @@ class Adapter:
         cache,  # a transformers Cache holding the kv states before these tokens
         allowed: torch.Tensor | None,  # (q, kv_total) bool, or None for plain causal over a fresh cache
         key_positions: torch.Tensor | None,  # (kv_total,) position of every key (ALiBi needs it)
-        logits_to_keep: int = 1,
+        logits_to_keep: int | torch.Tensor = 1,
     ) -> torch.Tensor:
-        """Run the model; returns logits ``(logits_to_keep, vocab)``; fills ``cache``."""
+        """Run the model; returns logits ``(logits_to_keep, vocab)``, or those of the rows a tensor
+        ``logits_to_keep`` (M,) names (a batch step's last token of each sequence); fills ``cache``."""
         mask = None if allowed is None else self.mask(allowed)
         out = self.model(
             input_ids=input_ids[None],
@@ -115,35 +116,6 @@ class Adapter:
             logits_to_keep=logits_to_keep,
         )
         return out.logits[0]
-
-    def ragged_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
-                       keep: torch.Tensor) -> torch.Tensor:
-        """The tokens of several sequences flattened into one query, ``input_ids`` and
-        ``position_ids`` (N,), inside :func:`~pcache_rag.models.attention.ragged` (which keeps
-        the sequences apart); returns the logits of the rows ``keep`` (M,) as (M, vocab)."""
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=position_ids[None],
-            attention_mask=None,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        return out.logits[0]
-
-    def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        """One token for each of ``B`` sequences: ``input_ids``/``position_ids`` (B,), ``cache``
-        holding ``B`` rows of equal length. Returns next-token logits (B, vocab). Not for ALiBi,
-        whose bias comes with an explicit mask."""
-        out = self.model(
-            input_ids=input_ids[:, None],
-            position_ids=position_ids[:, None],
-            attention_mask=None,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1]
 
 
 def use_fast_attention(model) -> bool:
