@@ -195,7 +195,7 @@ def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int)
     cache = DynamicCache()
     C = ids.shape[0]
     allowed = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril_()
-    key_pos = pos if adapter.family == "alibi" else None
+    key_pos = pos if adapter.needs_key_positions else None
     h = layers[layer].register_forward_hook(stop)
     try:
         adapter.forward(ids, pos, cache, allowed, key_pos)
@@ -255,8 +255,10 @@ def question_attention(adapter, workspace, kvs: list, new_ids: list[int], new_po
     allowed[:, C:] = torch.ones(U, U, dtype=torch.bool).tril_()
     try:
         with attention.AttentionProbe(C) as probe:
-            adapter.forward(torch.tensor(new_ids, device=dev), torch.tensor(new_pos, device=dev),
-                            workspace.cache(), allowed.to(dev), None)
+            new_pos_t = torch.tensor(new_pos, device=dev)
+            key_pos = (torch.cat([kv.position_ids.to(dev) for kv in kvs] + [new_pos_t])
+                       if adapter.needs_key_positions else None)
+            adapter.forward(torch.tensor(new_ids, device=dev), new_pos_t, workspace.cache(), allowed.to(dev), key_pos)
     finally:
         for layer in workspace.layers:
             layer.set_length(C)

@@ -13,6 +13,32 @@ import torch
 import transformers as tf
 
 
+#: the sliding window of the tiny windowed families
+WINDOW = 16
+WINDOWED = ["mistral_sw", "qwen2_sw", "gemma2", "gemma3"]
+
+
+def stock_mask(model, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The ``attention_mask`` a stock (eager) forward takes for ``allowed`` (q, kv): an additive
+    4-D mask, and for a model with sliding-window layers, the same with the window applied on
+    those layers (a key is seen while ``query position - key position < window``, counted over
+    the given positions), as the per-layer-kind dict such models accept."""
+    cfg = model.config
+    neg = torch.finfo(torch.float32).min
+
+    def additive(a):
+        return torch.zeros(1, 1, *a.shape).masked_fill(~a, neg)
+
+    w = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not w or (types is not None and "sliding_attention" not in types):
+        return additive(allowed)
+    near = (q_pos[:, None] - k_pos[None, :]) < w
+    if types is None:  # every layer is local (Mistral)
+        return additive(allowed & near)
+    return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & near)}
+
+
 def tiny_model(family: str, vocab: int, seed: int = 0):
     """A small random float32 model; no download."""
     torch.manual_seed(seed)
@@ -29,6 +55,27 @@ def tiny_model(family: str, vocab: int, seed: int = 0):
         cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=1024, sliding_window=None, **common)
         return tf.MistralForCausalLM(cfg).eval()
+    # sliding-window families: windows of 16 positions, smaller than every test prompt
+    if family == "mistral_sw":  # every layer local
+        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=1024, sliding_window=WINDOW, **common)
+        return tf.MistralForCausalLM(cfg).eval()
+    if family == "qwen2_sw":  # layer 0 global, layer 1 local
+        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, max_position_embeddings=1024, use_sliding_window=True,
+                             sliding_window=WINDOW, max_window_layers=1, **common)
+        return tf.Qwen2ForCausalLM(cfg).eval()
+    if family == "gemma2":  # local and global layers, soft-capped attention and final logits
+        cfg = tf.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                              sliding_window=WINDOW, attn_logit_softcapping=5.0, **common)
+        return tf.Gemma2ForCausalLM(cfg).eval()
+    if family == "gemma3":  # local and global layers, each kind with its own RoPE base
+        cfg = tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                                  sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                  **common)
+        return tf.Gemma3ForCausalLM(cfg).eval()
     if family == "gpt2":
         cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
         return tf.GPT2LMHeadModel(cfg).eval()
@@ -98,7 +145,7 @@ def reference_logits(pc, res, encoding: str) -> torch.Tensor:
         from transformers.cache_utils import DynamicCache
 
         return ad.forward(res.input_ids, res.position_ids, DynamicCache(), allowed, res.position_ids)[-1]
-    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = stock_mask(model, allowed, res.position_ids, res.position_ids)
     with torch.no_grad():
         return model(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0, -1]
 

@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from helpers import reference_logits, tiny_model
+from helpers import WINDOWED, reference_logits, tiny_model
 from pcache_rag import PMLError, PromptCache
 from pcache_rag.models import UnsupportedModelError, adapter_for
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "bloom", "mpt"]
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "bloom", "mpt"] + WINDOWED
 SCHEMA = """<schema name="s">
   <system>You are a helpful assistant.</system>
   <module name="a">Alpha document with several words in it.</module>
@@ -70,13 +70,16 @@ def test_single_module_prefix_equals_plain_forward(family_model, tok):
     """With one module as the whole prefix the cached path is ordinary prefix caching."""
     fam, model = family_model
     pc = PromptCache(model, tok, encoding="isolated", store_dtype=None)
-    pc.add_schema('<schema name="one"><module name="doc">A single document as the prefix of the prompt.</module></schema>')
+    # longer than the windowed families' window (16), so their windows bite
+    pc.add_schema('<schema name="one"><module name="doc">A single document as the prefix of the prompt, long '
+                  'enough that a sliding window of sixteen positions leaves its first words behind.</module></schema>')
     res = pc.prefill('<prompt schema="one"><doc/>And a question about it?</prompt>')
     ref_model = copy.deepcopy(model)
     ref_model.set_attn_implementation("eager")
     with torch.no_grad():
         plain = ref_model(input_ids=res.input_ids[None]).logits[0, -1]
     assert torch.equal(res.position_ids, torch.arange(res.input_ids.shape[0]))
+    assert res.input_ids.shape[0] > 16 + 8
     assert (plain - res.logits).abs().max().item() < 1e-4
 
 
@@ -137,13 +140,19 @@ def test_length_dependent_rope_is_refused_for_rerotation(tok):
         pc.adapter.rerotate(torch.zeros(1, 2, 3, 16), 4)
 
 
-def test_sliding_window_and_unknown_families_are_refused(tok):
+def test_unserved_attention_and_unknown_families_are_refused(tok):
     import transformers as tf
 
-    cfg = tf.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        PromptCache(tf.MistralForCausalLM(cfg).eval(), tok)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    cfg = tf.Gemma3TextConfig(use_bidirectional_attention=True, **common)
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        PromptCache(tf.Gemma3ForCausalLM(cfg).eval(), tok)
+    cfg = tf.Gemma3TextConfig(**common)
+    model = tf.Gemma3ForCausalLM(cfg).eval()
+    model.config.layer_types = ["sliding_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        adapter_for(model)
 
     class Weird(torch.nn.Module):
         config = tf.PretrainedConfig()

@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from helpers import contiguous_parts, tiny_model
+from helpers import WINDOWED, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.recompute import Recompute, epic_rows, focus_scores, question_attention, recompute_mask, select_rows
 
-FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"]
+FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"] + WINDOWED
 TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
          "Charlie is the third chunk of context in this prompt."]
 
@@ -68,11 +68,11 @@ def _reference(pc, parts, new_ids, rows):
     model.set_attn_implementation("eager")
     from pcache_rag.models import adapter_for
 
-    ad = adapter_for(model)
     key_pos = torch.cat([pos[keep], q_pos])
-    if pc.adapter.family == "alibi":
+    if pc.adapter.family == "alibi":  # (an adapter switches the copy to pcache_sdpa: only ALiBi needs one)
+        ad = adapter_for(model)
         return ad.forward(q_ids, q_pos, cache, allowed, key_pos, logits_to_keep=len(new_ids))
-    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = stock_mask(model, allowed, q_pos, key_pos)
     with torch.no_grad():
         out = model(input_ids=q_ids[None], position_ids=q_pos[None], attention_mask=mask, past_key_values=cache)
     return out.logits[0, -len(new_ids):]
@@ -262,7 +262,8 @@ def test_split_path_equals_the_masked_path(pc, spec, max_runs, monkeypatch):
     real = attention.recompute_attention
     monkeypatch.setattr(attention, "recompute_attention", lambda *a: calls.append(1) or real(*a))
     split = pc.prefill_parts(parts, new, recompute=spec)
-    if pc.adapter.family == "alibi":  # its bias comes with its mask: the dense path stays
+    if pc.adapter.family == "alibi" or pc.adapter.constrained:  # ALiBi's bias comes with its mask, and
+        # windows and soft-capping are applied to the dense mask: the dense path stays
         assert not calls and split.recomputed_tokens > 0
         return
     split_tokens = pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids

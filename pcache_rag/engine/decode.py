@@ -259,7 +259,7 @@ class Decoder:
                unbatched: str = "") -> Iterator[str | GenerationOutput]:
         """Sample from ``res.logits`` and continue in ``cache``; yields deltas, then the output."""
         dev = self.adapter.device
-        key_pos = res.position_ids.to(dev) if self.adapter.family == "alibi" else None
+        key_pos = res.position_ids.to(dev) if self.adapter.needs_key_positions else None
         next_pos = int(res.position_ids.max()) + 1
         seq = self.start(params, res.logits.shape[-1], t0)
         logits = res.logits
@@ -273,9 +273,10 @@ class Decoder:
             pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
             next_pos += 1
             allowed = None  # one new token attends to everything: no mask needed...
-            if key_pos is not None:  # ...except for ALiBi, whose bias comes with its mask
+            if key_pos is not None:  # ...except for ALiBi, whose bias comes with its mask (and windows)
                 key_pos = torch.cat([key_pos, pos])
-                allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
+                if self.adapter.family == "alibi":
+                    allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
             with calibrated(res.calibrated):
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
         seq.warn_if_cut()

@@ -56,7 +56,7 @@ class Prefiller:
         # the split path, with no dense mask: new tokens over the cache, and recomputed rows
         # where the attention is pcache_sdpa's (it reads which rows from recomputing())
         split = not args and adapter.family != "alibi" and (
-            not rows or (self.split_recompute and getattr(adapter, "fast", False)))
+            not rows or (self.split_recompute and getattr(adapter, "fast", False) and not adapter.constrained))
         span = self.calibrated_span(kvs, calibration, bool(args), policy if rows else None)
         lay = query_layout(labels, [kv.length for kv in kvs], args, uncached_ids, uncached_positions, preamble,
                            need_mask=not (plain or split), attend_all=policy.kind == "all" and bool(rows))
@@ -78,7 +78,7 @@ class Prefiller:
                 allowed = recompute_mask(allowed, C, rows_t)
         if allowed is not None:
             allowed = allowed.to(dev)
-        key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.family == "alibi" and not plain else None
+        key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.needs_key_positions and not plain else None
         t2 = time.perf_counter()
         with calibrated(span) as counter, recomputing(rec) as rec_counter:
             try:
@@ -123,6 +123,9 @@ class Prefiller:
         if self.adapter.family == "alibi":
             raise UnsupportedModelError("calibrated attention runs through pcache_sdpa's split path; ALiBi models "
                                         "attend with their own bias")
+        if self.adapter.constrained:
+            raise UnsupportedModelError(f"calibrated attention ({calibration.spec}) is not supported with "
+                                        f"{self.adapter.constrained}: it would be applied beyond the window")
         if args or recompute is not None:
             what = "PML parameters" if args else f"recompute {recompute}"
             raise ValueError(f"calibrated attention ({calibration.spec}) does not combine with {what}: choose one")

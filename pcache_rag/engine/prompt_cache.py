@@ -15,6 +15,7 @@ paper) or also to the schema's preamble (``encoding="preamble"``) (:mod:`.encode
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -374,11 +375,12 @@ class PromptCache:
                              stop: Sequence[str] | None = None) -> list[GenerationOutput]:
         """Greedy :meth:`generate_parts` answers to ``(parts, new_ids, preamble, recompute[, calibration])``
         requests, prefilled and decoded together in one batch (:mod:`.scheduler`); batched products
-        round differently, so a rare near-tie may resolve otherwise. ALiBi decodes one at a time."""
+        round differently, so a rare near-tie may resolve otherwise; others decode alone (batch_refusal)."""
         params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
         reqs = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
-        if self.batch_refusal:
-            return [self.generate_parts(p, ids, pre, rc, cal, params) for p, ids, pre, rc, cal in reqs]
+        if why := self.batch_refusal:  # one at a time, and each output says why
+            outs = [self.generate_parts(p, ids, pre, rc, cal, params) for p, ids, pre, rc, cal in reqs]
+            return [dataclasses.replace(o, unbatched=why) for o in outs]
         batch = [self._request(p, ids, pre, self.policy(rc), Calibration.parse(cal), params)
                  for p, ids, pre, rc, cal in reqs]
         outs = run_batch(Scheduler(self, self._lock, max(1, len(batch)), 4096, sum(r.rows for r in batch) or 1), batch)

@@ -367,6 +367,8 @@ def batch_refusal(adapter) -> str:
         return "ALiBi models decode alone: their bias needs each request's key positions"
     if not getattr(adapter, "fast", False):
         return f"{type(adapter.model).__name__} does not run its attention through pcache_sdpa"
+    if adapter.constrained:
+        return f"models with {adapter.constrained} decode alone: each sequence's window is counted over its own positions"
     return ""
 
 

@@ -35,6 +35,16 @@ The projections and MLPs run over all of them at once (one read of the weights);
 attention runs per sequence over that sequence's own rows, by the same call its solo
 prefill or decode step makes (with its own calibrated span, if any). No padding and no
 mask: a short sequence reads only its own rows.
+
+**Sliding windows and soft-capping** (Gemma 2/3, Mistral, Qwen2 local layers). transformers
+passes ``sliding_window`` and ``softcap`` to the attention of the layers that have them. A
+window is counted over *positions*, not cache rows (an assembled cache has gaps and moved
+units): inside :func:`positioned`, the adapter gives every forward the position of each
+query and key, and a key is seen only where ``query_pos - key_pos < window`` (transformers'
+own rule). When no key falls outside a layer's window the ordinary paths serve it
+unchanged; otherwise, and on every soft-capped layer, :func:`constrained_attention` runs
+the same semantics (the mask, or "every earlier key and the block causally") in blocks of
+query rows, each over only the keys its rows can see, with the small mask that block needs.
 """
 
 from __future__ import annotations
@@ -62,10 +72,28 @@ def pcache_sdpa(
 ) -> tuple[torch.Tensor, None]:
     step = getattr(_ragging, "step", None)
     if step is not None:  # a batch of sequences of their own lengths: each attends alone
-        return step.attend(module, query, scaling), None
+        return step.attend(module, query, scaling, **kwargs), None
     B, H, q, D = query.shape
     Hkv, kv = key.shape[1], key.shape[2]
     G = H // Hkv
+    window: int | None = kwargs.get("sliding_window") or None
+    softcap: float | None = kwargs.get("softcap") or None
+    if window is not None or softcap is not None:
+        pos = getattr(_positioning, "spec", None)
+        cut = window is not None and (pos.cuts(window) if pos is not None else kv > window)
+        if cut and pos is None:
+            raise ValueError(f"{NAME}: a sliding-window layer ({window}) over {kv} keys needs the keys' positions "
+                             "(run the forward through the model's adapter)")
+        if cut or softcap:
+            if getattr(_recomputing, "spec", None) is not None or getattr(_calibrating, "span", None) is not None:
+                raise ValueError(f"{NAME}: recomputed rows and calibrated attention take the dense mask on "
+                                 "windowed or soft-capped layers")
+            probe = getattr(_probing, "probe", None)
+            if probe is not None:  # what the rows really see: the window applied
+                probe.add(query, key, effective_mask(attention_mask, q, kv, window if cut else None, pos,
+                                                     query.device), scaling)
+            return constrained_attention(query, key, value, attention_mask, scaling,
+                                         window if cut else None, pos, softcap), None
     probe = getattr(_probing, "probe", None)
     if probe is not None:
         probe.add(query, key, attention_mask, scaling)
@@ -218,7 +246,7 @@ class RaggedStep:
             self.values[b][layer, :, n : n + c].copy_(value[0, :, off : off + c])
             off += c
 
-    def attend(self, module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def attend(self, module, query: torch.Tensor, scaling: float | None, **kwargs) -> torch.Tensor:
         """``query`` (1, H, N, D) -> (1, N, H, Dv): each sequence's tokens over its own rows, by the
         call its own prefill or decode step makes (the split path, or plain attention)."""
         if query.shape[0] != 1 or query.shape[2] != sum(self.counts):
@@ -232,10 +260,10 @@ class RaggedStep:
                 k = self.keys[b][i, :, : n + c][None]  # (1, H_kv, n+c, D), a view
                 v = self.values[b][i, :, : n + c][None]
                 if self.spans[b] is None:
-                    out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling)
+                    out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
                 else:
                     with calibrated(self.spans[b]):
-                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling)
+                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
                 outs.append(out)  # (1, c, H, Dv)
                 off += c
         finally:
@@ -378,6 +406,95 @@ def _split(
     return out.to(query.dtype).transpose(1, 2).contiguous()  # (B, q, H, Dv)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Positions:
+    """The position of every query row (q,) and key (kv,) of one forward (the keys: the cache's
+    rows, then the query's own), for windowed layers. ``span``: the widest query-key distance."""
+
+    queries: torch.Tensor  # (q,) long
+    keys: torch.Tensor  # (kv,) long
+    span: int
+
+    @classmethod
+    def of(cls, queries: torch.Tensor, keys: torch.Tensor) -> Positions:
+        return cls(queries, keys, int(queries.max()) - int(keys.min()) if keys.numel() and queries.numel() else 0)
+
+    def cuts(self, window: int) -> bool:
+        """Whether some key lies outside ``window`` of some query row (else the window changes nothing)."""
+        return self.span >= window
+
+
+@contextmanager
+def positioned(spec: Positions | None):
+    """Forwards of this thread inside the block count windows over ``spec``'s positions."""
+    with _scoped(_positioning, "spec", spec) as counter:
+        yield counter
+
+
+def effective_mask(mask: torch.Tensor | None, q: int, kv: int, window: int | None, pos: Positions | None,
+                   device, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The keys query rows ``rows`` (default: all ``q``) see: ``mask`` (B, 1, q, kv), or every
+    earlier key and the block causally, with ``window`` applied over ``pos``. Returns
+    (B or 1, 1, rows, kv) bool."""
+    r0, r1 = rows if rows is not None else (0, q)
+    if mask is None:
+        cols = torch.arange(kv, device=device)
+        allowed = (cols[None, :] <= (kv - q + torch.arange(r0, r1, device=device))[:, None])[None, None]
+    else:
+        allowed = mask[:, :, r0:r1]
+    if window is not None and pos is not None:
+        near = pos.keys.to(device)[None, :] > pos.queries.to(device)[r0:r1, None] - window  # (rows, kv)
+        allowed = allowed & near
+    return allowed
+
+
+#: query rows per block of :func:`constrained_attention` (bounds its masks to BLOCK x keys seen)
+BLOCK = 256
+
+
+def constrained_attention(
+    query: torch.Tensor,  # (B, H, q, D): the last q of the keys' tokens
+    key: torch.Tensor,  # (B, H_kv, kv, D)
+    value: torch.Tensor,  # (B, H_kv, kv, Dv)
+    mask: torch.Tensor | None,  # (B, 1, q, kv) bool, True = attend; None: every earlier key, the block causally
+    scaling: float | None,
+    window: int | None,  # keys at ``query_pos - key_pos >= window`` are not seen
+    pos: Positions | None,  # needed with a window
+    softcap: float | None,  # logits become softcap * tanh(logits / softcap) (Gemma 2)
+) -> torch.Tensor:
+    """Attention with a sliding window over positions and/or soft-capped logits, exactly the
+    stock eager semantics, in blocks of :data:`BLOCK` query rows: each block attends to the
+    range of keys its rows can see, with a mask of that range (SDPA's kernel, or float32
+    logits where soft-capping needs them). Returns (B, q, H, Dv)."""
+    B, H, q, D = query.shape
+    Hkv, kv = key.shape[1], key.shape[2]
+    G = H // Hkv
+    sc = scaling if scaling is not None else D**-0.5
+    if B != 1 and window is not None:
+        raise ValueError(f"{NAME}: windowed attention counts one sequence's positions, not a batch of {B}")
+    dev = query.device
+    out = torch.empty(B, q, H, value.shape[-1], dtype=query.dtype, device=dev)
+    for r0 in range(0, q, BLOCK):
+        r1 = min(q, r0 + BLOCK)
+        b = r1 - r0
+        allowed = effective_mask(mask, q, kv, window, pos, dev, (r0, r1))  # (B or 1, 1, b, kv)
+        seen = allowed.reshape(-1, kv).any(0).nonzero()
+        lo, hi = (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, 1)
+        a = allowed[..., lo:hi]  # (B or 1, 1, b, n): the range of keys this block sees
+        qb = query[:, :, r0:r1].reshape(B, Hkv, G * b, D)  # rows ordered (group member, token)
+        am = a.repeat(1, 1, G, 1)  # (B or 1, 1, G*b, n)
+        kb, vb = key[:, :, lo:hi], value[:, :, lo:hi]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=am, scale=sc)
+        else:
+            s = (qb.float() @ kb.float().transpose(-1, -2)) * sc
+            s = torch.tanh(s / softcap) * softcap
+            s = s.masked_fill(~am, float("-inf"))
+            o = (torch.softmax(s, dim=-1) @ vb.float()).to(query.dtype)
+        out[:, r0:r1] = o.reshape(B, H, b, -1).transpose(1, 2)
+    return out
+
+
 class AttentionProbe:
     """How much attention the query rows of a forward give to each of the first ``C`` keys,
     summed over layers, heads and query rows: ``scores`` (C,). Used as a context manager
@@ -415,5 +532,7 @@ _recomputing = threading.local()
 _probing = threading.local()
 #: the ragged decode step of this thread's forward, if any (set by :func:`ragged`)
 _ragging = threading.local()
+#: the query and key positions of this thread's forward, for windowed layers (:func:`positioned`)
+_positioning = threading.local()
 
 AttentionInterface.register(NAME, pcache_sdpa)

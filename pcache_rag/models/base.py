@@ -5,6 +5,11 @@ position ids and an explicit ``allowed`` matrix (which query attends to which
 key), over a cache. Families differ only in how positions reach the model
 (``position_ids`` for RoPE and learned tables, a bias for ALiBi) and in the
 mask format their attention code expects; that is all a subclass overrides.
+
+Models with sliding-window layers (Gemma 2/3, Mistral, Qwen2 with ``use_sliding_window``)
+count each window over positions: every forward is given the position of each key as well
+as each query (:func:`~.attention.positioned`), so a cached unit's states are encoded with
+the window and new tokens see only the keys inside it, wherever the units sit.
 """
 
 from __future__ import annotations
@@ -47,6 +52,25 @@ class Adapter:
         self.config = model.config
         self.max_positions = self._max_positions()
         self.kv_shape = self._kv_shape()
+        #: the sliding window of the model's local layers (None: every layer is global)
+        self.window: int | None = sliding_window(self.config)
+        #: attention logit soft-capping (Gemma 2), applied inside pcache_sdpa
+        self.softcap: float | None = getattr(self.config, "attn_logit_softcapping", None) or None
+
+    @property
+    def needs_key_positions(self) -> bool:
+        """Whether every forward over a cache needs ``key_positions`` (ALiBi's bias; windows)."""
+        return self.family == "alibi" or self.window is not None
+
+    @property
+    def constrained(self) -> str:
+        """Why this model's attention takes the dense-mask path for recomputed rows and cannot
+        be calibrated or batched ('' when it need not): windows and soft-capping."""
+        if self.window is not None:
+            return f"sliding-window attention ({self.window} positions)"
+        if self.softcap is not None:
+            return f"soft-capped attention logits ({self.softcap:g})"
+        return ""
 
     # -- facts about the model -------------------------------------------------
 
@@ -105,17 +129,38 @@ class Adapter:
         logits_to_keep: int | torch.Tensor = 1,
     ) -> torch.Tensor:
         """Run the model; returns logits ``(logits_to_keep, vocab)``, or those of the rows a tensor
-        ``logits_to_keep`` (M,) names (a batch step's last token of each sequence); fills ``cache``."""
+        ``logits_to_keep`` (M,) names (a batch step's last token of each sequence); fills ``cache``.
+        A windowed model needs ``key_positions`` over a non-empty cache."""
         mask = None if allowed is None else self.mask(allowed)
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=position_ids[None],
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        spec = None
+        if self.window is not None:
+            if key_positions is None:
+                if cache.get_seq_length() > 0:
+                    raise ValueError(f"{self.family} adapter: a sliding-window model needs key_positions "
+                                     "for a forward over a filled cache")
+                key_positions = position_ids
+            spec = attention.Positions.of(position_ids, key_positions)
+        with attention.positioned(spec):
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
         return out.logits[0]
+
+
+def sliding_window(config) -> int | None:
+    """The window of the config's sliding (local) attention layers, or None if it has none."""
+    sw = getattr(config, "sliding_window", None)
+    if not sw:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(sw) if any("sliding" in str(t) for t in types) else None
+    return int(sw) if getattr(config, "use_sliding_window", True) else None
 
 
 def use_fast_attention(model) -> bool:

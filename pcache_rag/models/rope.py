@@ -73,23 +73,41 @@ class RopeAdapter(Adapter):
     def __init__(self, model):
         super().__init__(model)
         rot = model.model.rotary_emb
+        n = self.kv_shape.n_layers
         rp = getattr(self.config, "rope_parameters", None) or {}
-        rope_type = rp.get("rope_type", "default") if isinstance(rp, dict) else "default"
-        self.rope_type = rope_type
-        self.inv_freq = rot.inv_freq.detach().clone()  # (head_dim/2,)
+        types = list(getattr(self.config, "layer_types", None) or [])
+        if hasattr(rot, "inv_freq"):  # one RoPE for every layer
+            tables = [rot.inv_freq.detach().clone()] * n  # (head_dim/2,) each
+            kinds = [rp.get("rope_type", "default") if isinstance(rp, dict) else "default"]
+        elif len(types) == n and all(hasattr(rot, f"{t}_inv_freq") for t in types):  # per layer kind
+            tables = [getattr(rot, f"{t}_inv_freq").detach().clone() for t in types]
+            kinds = [(rp.get(t) or {}).get("rope_type", "default") for t in sorted(set(types))]
+        else:
+            raise UnsupportedModelError(f"{type(model).__name__}: its rotary embedding has no frequency table "
+                                        "pcache-rag can read (inv_freq, or one per layer type)")
+        self.rope_type = kinds[0] if len(set(kinds)) == 1 else "/".join(kinds)
+        #: (head_dim/2,) RoPE frequencies of each layer
+        self.layer_inv_freq = tables
+        self.inv_freq = tables[0]
+        self.shared_rope = all(t is tables[0] or torch.equal(t, tables[0]) for t in tables)
         self.rerotatable = (
-            not any(t in str(rope_type) for t in _LENGTH_DEPENDENT)
-            and self.inv_freq.numel() * 2 == self.kv_shape.head_dim
+            not any(t in str(k) for k in kinds for t in _LENGTH_DEPENDENT)
+            and all(t.numel() * 2 == self.kv_shape.head_dim for t in tables)
         )
         self.fast = use_fast_attention(model)
 
     def rerotate(self, keys: torch.Tensor, delta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``keys`` (L, H, T, D) of every layer (or (H, T, D) on a model with one RoPE) moved by ``delta``."""
         if not self.rerotatable:
             raise UnsupportedModelError(
                 f"rope_type {self.rope_type!r} cannot be re-rotated exactly (its frequencies depend on the "
                 "sequence length or it rotates part of the head); encode modules at their slot instead"
             )
-        return rerotate(keys, delta, self.inv_freq, out_dtype)
+        if self.shared_rope:
+            return rerotate(keys, delta, self.inv_freq, out_dtype)
+        if keys.ndim != 4 or keys.shape[0] != len(self.layer_inv_freq):
+            raise ValueError(f"per-layer RoPE re-rotates every layer's keys (L, H, T, D), not {tuple(keys.shape)}")
+        return torch.stack([rerotate(keys[i], delta, f, out_dtype) for i, f in enumerate(self.layer_inv_freq)])
 
     def move(self, kv, delta: int):
         from ..kv import ModuleKV
@@ -114,7 +132,7 @@ class RopeAdapter(Adapter):
             cache = DynamicCache()
             pos = torch.arange(start, start + length, device=self.device)
             self.forward(ids, pos, cache, None, None)
-            keys.append(cache.layers[0].keys.float())
+            keys.append(torch.stack([layer.keys[0].float() for layer in cache.layers]))  # (L, H, T, D)
         err = (self.rerotate(keys[0], shift) - keys[1]).abs().max().item()
         if err > atol:
             raise RuntimeError(f"RoPE re-rotation self-check failed: max error {err:.2e} > {atol}")

@@ -101,8 +101,9 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
               progress: bool = True) -> CalibrationReport:
     """Measure every candidate on ``n`` prompts sampled from ``rag``'s index and return the
     report (see the module docstring); :meth:`CachedRAG.save_calibration` keeps its choice."""
-    if rag.pc.adapter.family == "alibi":
-        raise ValueError("calibration tunes calibrated attention, which ALiBi models cannot use")
+    if rag.pc.adapter.family == "alibi" or rag.pc.adapter.constrained:
+        why = "ALiBi" if rag.pc.adapter.family == "alibi" else rag.pc.adapter.constrained
+        raise ValueError(f"calibration tunes calibrated attention, which models with {why} cannot use")
     k = rag.k if k is None else k
     t0 = time.perf_counter()
     prompts = sample_prompts(rag, n, k, seed)
