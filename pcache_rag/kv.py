@@ -265,10 +265,12 @@ class RequestKV:
     """One request's own states while it decodes in a batch: its first ``length`` rows are
     its assembled cache and computed tokens, the rest is room for what comes next."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int, pos: torch.Tensor | None = None) -> None:
         self.k = k  # (n_layers, n_kv_heads, capacity, head_dim)
         self.v = v  # (n_layers, n_kv_heads, capacity, head_dim_v)
         self.length = length
+        #: (capacity,) the position of each row (sliding windows are counted over them)
+        self.pos = pos if pos is not None else torch.zeros(k.shape[2], dtype=torch.long, device=k.device)
 
     @classmethod
     def assemble(cls, units: list[ModuleKV], extra: int, shape: tuple[int, int, int, int], dtype,
@@ -279,22 +281,28 @@ class RequestKV:
         T = sum(u.length for u in units)
         k = torch.empty((L, H, T + extra, D), dtype=dtype, device=device)
         v = torch.empty((L, H, T + extra, Dv), dtype=dtype, device=device)
+        pos = torch.zeros(T + extra, dtype=torch.long, device=device)
         off = 0
         for u in units:
             place(k[:, :, off : off + u.length], v[:, :, off : off + u.length], u)
+            pos[off : off + u.length] = u.position_ids
             off += u.length
-        return cls(k, v, T)
+        return cls(k, v, T, pos)
 
     @classmethod
-    def from_workspace(cls, ws: Workspace, extra: int) -> RequestKV:
-        """A copy of the workspace's current rows, with room for ``extra`` more."""
+    def from_workspace(cls, ws: Workspace, extra: int, positions: torch.Tensor | None = None) -> RequestKV:
+        """A copy of the workspace's current rows, with room for ``extra`` more; ``positions``
+        (rows,): theirs (a prefill's ``position_ids``)."""
         T = ws.layers[0].length
         L, H, D, Dv = ws.shape
         k = torch.empty((L, H, T + extra, D), dtype=ws.dtype, device=ws.device)
         v = torch.empty((L, H, T + extra, Dv), dtype=ws.dtype, device=ws.device)
         k[:, :, :T].copy_(ws.k[:, 0, :, :T])
         v[:, :, :T].copy_(ws.v[:, 0, :, :T])
-        return cls(k, v, T)
+        pos = torch.zeros(T + extra, dtype=torch.long, device=ws.device)
+        if positions is not None:
+            pos[:T] = positions[:T]
+        return cls(k, v, T, pos)
 
     @property
     def capacity(self) -> int:

@@ -2,6 +2,7 @@
 documents, lengths and positions decode together and each gets exactly what it gets alone.
 
 Tiny random models of each family that can batch (RoPE with grouped heads, learned
+positions, and Gemma 2/3's sliding windows, whose windows each sequence counts over its own
 positions); ALiBi decodes alone and says so."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _engine(family: str, tok, seed: int = 4) -> PromptCache:
     return PromptCache(model, tok, encoding="isolated", store_dtype=None)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2", "gemma2", "gemma3"])
 def pc(request, smol_tok):
     return _engine(request.param, smol_tok)
 
@@ -53,7 +54,7 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
     token, one prefilling a chunk of four), equals each sequence's own step to 1e-4 (batched
     projections round differently, nothing else)."""
     from pcache_rag.engine.scheduler import _RaggedLayer
-    from pcache_rag.models.attention import RaggedStep, ragged
+    from pcache_rag.models.attention import Positions, RaggedStep, ragged
     from transformers.cache_utils import Cache
 
     seqs, solo = [], []
@@ -64,17 +65,20 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
         toks = [int(torch.argmax(res.logits))] if j % 2 == 0 else pc.safe.text(" and then it")[:4]
         one = RequestKV(kv.k.clone(), kv.v.clone(), kv.length)
         pos = torch.arange(nxt, nxt + len(toks))
-        solo.append(pc.adapter.forward(torch.tensor(toks), pos, one.cache(), None, None)[-1])
-        seqs.append((kv, toks, pos))
-    assert len({kv.length for kv, _, _ in seqs}) == len(seqs), "the lengths must differ, or the step is not ragged"
-    step = RaggedStep([kv.k for kv, _, _ in seqs], [kv.v for kv, _, _ in seqs], [kv.length for kv, _, _ in seqs],
-                      [len(t) for _, t, _ in seqs], [None] * len(seqs))
+        key_pos = torch.cat([res.position_ids, pos]) if pc.adapter.window else None
+        solo.append(pc.adapter.forward(torch.tensor(toks), pos, one.cache(), None, key_pos)[-1])
+        seqs.append((kv, toks, pos, key_pos))
+    assert len({kv.length for kv, *_ in seqs}) == len(seqs), "the lengths must differ, or the step is not ragged"
+    step = RaggedStep([kv.k for kv, *_ in seqs], [kv.v for kv, *_ in seqs], [kv.length for kv, *_ in seqs],
+                      [len(t) for _, t, *_ in seqs], [None] * len(seqs))
+    if pc.adapter.window:
+        step.positions = [Positions.of(pos, key_pos) for *_, pos, key_pos in seqs]
     like = seqs[0][0].k[0, None, :, :0]
     cache = Cache(layers=[_RaggedLayer(step, i, 0, like) for i in range(seqs[0][0].k.shape[0])])
     ends = torch.tensor(step.counts).cumsum(0) - 1
     with ragged(step):
-        got = pc.adapter.forward(torch.tensor([t for _, ts, _ in seqs for t in ts]), torch.cat([p for *_, p in seqs]),
-                                 cache, None, None, logits_to_keep=ends)
+        got = pc.adapter.forward(torch.tensor([t for _, ts, *_ in seqs for t in ts]),
+                                 torch.cat([p for *_, p, _ in seqs]), cache, None, None, logits_to_keep=ends)
     assert step.calls == pc.adapter.kv_shape.n_layers
     for b, want in enumerate(solo):
         assert (got[b] - want).abs().max() < 1e-4, b

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kv import ModuleKV, RequestKV
 from ..models import UnsupportedModelError
-from ..models.attention import CalibratedSpan, RaggedStep, ragged
+from ..models.attention import CalibratedSpan, Positions, RaggedStep, ragged
 from .decode import Decoding, SamplingParams
 from .lock import EngineLock
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
@@ -282,7 +282,7 @@ class Scheduler:
                 res = req.prepare(0)
                 budget -= res.computed_tokens
                 self.counts["prefills"] += 1
-                req.kv = RequestKV.from_workspace(self.pc.workspace, req.params.max_new_tokens)
+                req.kv = RequestKV.from_workspace(self.pc.workspace, req.params.max_new_tokens, res.position_ids)
                 req.next_pos = int(res.position_ids.max()) + 1
                 req.span = res.calibrated
                 req.counts = (res.cached_tokens, res.computed_tokens, res.recomputed_tokens)
@@ -308,6 +308,14 @@ class Scheduler:
         kvs = [r.kv for r, _ in seqs]
         step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
                           [len(ids) for _, ids in seqs], [r.span for r, _ in seqs])
+        if self.pc.adapter.window is not None:  # each sequence's window, over its own rows' positions
+            step.positions = []
+            for r, chunk in seqs:
+                kv = r.kv
+                assert kv is not None
+                n, c = kv.length, len(chunk)
+                kv.pos[n : n + c] = torch.arange(r.next_pos, r.next_pos + c, device=kv.pos.device)
+                step.positions.append(Positions.of(kv.pos[n : n + c], kv.pos[: n + c]))
         like = kvs[0].k[0, None, :, :0]  # type: ignore[union-attr]  # (1, H, 0, D)
         longest = max(n + c for n, c in zip(step.lengths, step.counts))
         n_layers = kvs[0].k.shape[0]  # type: ignore[union-attr]
@@ -367,8 +375,6 @@ def batch_refusal(adapter) -> str:
         return "ALiBi models decode alone: their bias needs each request's key positions"
     if not getattr(adapter, "fast", False):
         return f"{type(adapter.model).__name__} does not run its attention through pcache_sdpa"
-    if adapter.constrained:
-        return f"models with {adapter.constrained} decode alone: each sequence's window is counted over its own positions"
     return ""
 
 

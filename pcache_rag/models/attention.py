@@ -227,13 +227,15 @@ class RaggedStep:
     when it decodes, a chunk of its prompt when it is prefilled), written after the first
     ``lengths[b]`` rows of its ``keys[b]`` (L, H_kv, capacity, D) and ``values[b]``
     (:meth:`write`, from the cache layer). Each attends to its own earlier rows unmasked and
-    to its own new tokens causally (:meth:`attend`); ``spans[b]``: its calibrated keys."""
+    to its own new tokens causally (:meth:`attend`); ``spans[b]``: its calibrated keys;
+    ``positions[b]``: its tokens' and rows' positions, for sliding-window layers."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: list[int]
     counts: list[int]
     spans: list[CalibratedSpan | None]
+    positions: list[Positions] | None = None
     layer: int = -1  # the layer whose attention runs next (set by write)
     calls: int = 0  # attention calls served (0 after a forward: the model bypassed pcache_sdpa)
 
@@ -259,7 +261,11 @@ class RaggedStep:
                 q = query[:, :, off : off + c]  # (1, H, c, D)
                 k = self.keys[b][i, :, : n + c][None]  # (1, H_kv, n+c, D), a view
                 v = self.values[b][i, :, : n + c][None]
-                if self.spans[b] is None:
+                if self.positions is not None:  # windows count over this sequence's own positions
+                    assert self.spans[b] is None, "calibrated attention is refused on windowed models"
+                    with positioned(self.positions[b]):
+                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
+                elif self.spans[b] is None:
                     out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
                 else:
                     with calibrated(self.spans[b]):
@@ -269,6 +275,11 @@ class RaggedStep:
         finally:
             _ragging.step = self
         return torch.cat(outs, dim=1)
+
+
+def in_ragged_step() -> bool:
+    """Whether this thread's forward is a :class:`RaggedStep` (its sequences bring their own positions)."""
+    return getattr(_ragging, "step", None) is not None
 
 
 @contextmanager

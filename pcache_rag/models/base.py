@@ -133,7 +133,7 @@ class Adapter:
         A windowed model needs ``key_positions`` over a non-empty cache."""
         mask = None if allowed is None else self.mask(allowed)
         spec = None
-        if self.window is not None:
+        if self.window is not None and not attention.in_ragged_step():  # (a ragged step's sequences bring theirs)
             if key_positions is None:
                 if cache.get_seq_length() > 0:
                     raise ValueError(f"{self.family} adapter: a sliding-window model needs key_positions "
