@@ -65,7 +65,7 @@ class Adapter:
     @property
     def constrained(self) -> str:
         """Why this model's attention takes the dense-mask path for recomputed rows and cannot
-        be calibrated or batched ('' when it need not): windows and soft-capping."""
+        be calibrated ('' when it need not): windows and soft-capping."""
         if self.window is not None:
             return f"sliding-window attention ({self.window} positions)"
         if self.softcap is not None:
