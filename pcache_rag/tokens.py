@@ -178,7 +178,12 @@ def _text_only_backends(tokenizer):
         from tokenizers import Tokenizer
 
         spec = json.loads(backend.to_str())
-        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if _whitespace(t.get("content", ""))]
+        # Whitespace added tokens stay (see SafeTokenizer), but only those whose ids survive:
+        # an added token outside the model's vocabulary is numbered by its place in the list,
+        # which removing the others would shift.
+        vocab = (spec.get("model") or {}).get("vocab")
+        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if _whitespace(t.get("content", ""))
+                                and isinstance(vocab, dict) and vocab.get(t["content"]) == t.get("id")]
         spec["truncation"] = None
         spec["padding"] = None
         first = Tokenizer.from_str(json.dumps(spec))

