@@ -18,6 +18,19 @@ def test_metrics():
     assert token_f1("born in Oslo", "Oslo") == 0.5 and token_f1("Lima", "Oslo") == 0.0
 
 
+def test_the_answer_is_the_first_line_with_text():
+    """A model without a chat template often starts its answer with a line break: it decodes
+    all its tokens and the first line with text is scored; chat models stop at a line break."""
+    from types import SimpleNamespace
+
+    from pcache_rag.measure.quality import answer_line, answer_stop
+
+    assert answer_line("\n The code is ZJ-8808.\nUser: and more") == "The code is ZJ-8808."
+    assert answer_line("Paris") == "Paris" and answer_line(" \n\n") == ""
+    assert answer_stop(SimpleNamespace(chat=SimpleNamespace(source="plain"))) == []
+    assert answer_stop(SimpleNamespace(chat=SimpleNamespace(source="template"))) == ["\n"]
+
+
 def test_mcnemar_exact_on_known_counts():
     # 6 questions only the first gets right, none only the second: 2 * 0.5**6
     a = [True] * 6 + [True, False] * 5

@@ -313,6 +313,18 @@ def _norm_tokens(s: str) -> list[str]:
     return re.sub(r"[^\w\s-]", " ", s.lower()).split()
 
 
+def answer_line(text: str) -> str:
+    """The answer in a model's output: its first non-empty line. A chat model stops at the first
+    line break; a model without a chat template (plain ``Assistant:`` prompts) often begins
+    with one, so its whole output is decoded and its first line with text is the answer."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def answer_stop(pc) -> list[str]:
+    """Stop strings of the eval's answers (see :func:`answer_line`)."""
+    return [] if pc.chat.source == "plain" else ["\n"]
+
+
 def contains(answer_text: str, gold: str) -> bool:
     words = set(_norm_tokens(answer_text))
     text = " ".join(_norm_tokens(answer_text))
@@ -540,7 +552,7 @@ def _decode_apart(pc, modes, reqs, max_new_tokens: int) -> list:
     for idx in (full, rest):
         if idx:
             for i, o in zip(idx, pc.generate_parts_batch([reqs[i] for i in idx], max_new_tokens=max_new_tokens,
-                                                         stop=["\n"])):
+                                                         stop=answer_stop(pc))):
                 outs[i] = o
     return outs
 
@@ -650,9 +662,10 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 ttfts = [o.ttft_s for o in outs]
             for mode, out, ttft in zip(modes, outs, ttfts):
                 r = res[mode]
-                r.answers.append(out.text.strip())
-                r.correct.append(contains(out.text, q.answer))
-                r.f1.append(token_f1(out.text, q.answer))
+                answer = answer_line(out.text)
+                r.answers.append(answer)
+                r.correct.append(contains(answer, q.answer))
+                r.f1.append(token_f1(answer, q.answer))
                 r.ttft.append(ttft)
                 ctx = out.cached_tokens + out.recomputed_tokens
                 r.recomputed.append(out.recomputed_tokens / ctx if ctx else (1.0 if mode == "full" else 0.0))
@@ -773,7 +786,8 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
     lines = ["# Answer quality: cached vs full prefill, with selective recomputation", "",
              f"`pcache-rag eval quality`: {cfg.get('n_per_set', '?')} questions per set, documents of "
              f"~{cfg.get('doc_tokens', '?')} tokens, k={cfg.get('k', '?')}, greedy answers of at most "
-             f"{cfg.get('max_new_tokens', '?')} tokens (ending at the first line break), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
+             f"{cfg.get('max_new_tokens', '?')} tokens (the first line with text: a chat model stops at a line break, a "
+             "model without a chat template decodes them all), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
              + (f"{cfg['seconds']} s in one run. " if isinstance(cfg.get("seconds"), (int, float)) else
                 f"{cfg.get('seconds', '?')}. ") + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
