@@ -3,8 +3,8 @@ Gemma 2, Gemma 3, Mistral and Qwen2 configs whose windows (16 positions) are sma
 every prompt here. Prefill exactness for schemas and recompute runs over these families in
 test_engine_exactness.py and test_recompute.py; this file covers what is particular to them:
 re-rotation with each layer's own RoPE, greedy decoding past the window against a stock
-forward, the blocked attention path, and what is refused by name. Batched decoding of Gemma 2
-and Gemma 3 runs with the other families in test_batching.py."""
+forward, the blocked attention path, and what is refused by name. Batched decoding of Gemma 3
+runs with the other families in test_batching.py."""
 
 import copy
 
