@@ -2,8 +2,8 @@
 documents, lengths and positions decode together and each gets exactly what it gets alone.
 
 Tiny random models of each family that can batch (RoPE with grouped heads, learned
-positions, and Gemma 3's sliding windows and per-layer RoPE, whose windows each sequence counts over its own
-positions); ALiBi decodes alone and says so."""
+positions, and Gemma 3's sliding windows and per-layer RoPE, each sequence counting its
+window over its own positions); ALiBi decodes alone and says so."""
 
 from __future__ import annotations
 
