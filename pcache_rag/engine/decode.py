@@ -273,9 +273,9 @@ class Decoder:
             pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
             next_pos += 1
             allowed = None  # one new token attends to everything: no mask needed...
-            if key_pos is not None:  # ...except for ALiBi, whose bias comes with its mask (and windows)
+            if key_pos is not None:  # ...but ALiBi's bias and sliding windows need the keys' positions,
                 key_pos = torch.cat([key_pos, pos])
-                if self.adapter.family == "alibi":
+                if self.adapter.family == "alibi":  # and ALiBi's bias comes with its mask
                     allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
             with calibrated(res.calibrated):
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
