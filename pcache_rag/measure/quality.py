@@ -787,7 +787,7 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
              f"`pcache-rag eval quality`: {cfg.get('n_per_set', '?')} questions per set, documents of "
              f"~{cfg.get('doc_tokens', '?')} tokens, k={cfg.get('k', '?')}, greedy answers of at most "
              f"{cfg.get('max_new_tokens', '?')} tokens (the first line with text: a chat model stops at a line break, a "
-             "model without a chat template decodes them all), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
+             f"model without a chat template decodes them all), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
              + (f"{cfg['seconds']} s in one run. " if isinstance(cfg.get("seconds"), (int, float)) else
                 f"{cfg.get('seconds', '?')}. ") + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
