@@ -686,7 +686,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     summary["encode_tokens_per_s"] = syn.encode_rates()
     if checkpoint:
         summary["config"]["resumed_from"] = str(checkpoint)
-    if out_dir is not None:
+    if out_dir:  # "" (--out "") writes nowhere, as the help says
         write_report(summary, Path(out_dir))
     if tmp is not None:
         tmp.cleanup()
