@@ -31,18 +31,21 @@ class Encoder:
         self._cond_memo: tuple[str, ModuleKV] | None = None
 
     @torch.no_grad()
-    def encode(self, token_ids: list[int], position_ids: list[int], context: ModuleKV | None = None) -> ModuleKV:
+    def encode(self, token_ids: list[int], position_ids: list[int], context: ModuleKV | None = None,
+               embeds: torch.Tensor | None = None) -> ModuleKV:
         """Encode tokens at the given positions; with ``context``, they also attend to it.
-        Returns the tokens' own states (not the context's), in the model's dtype."""
+        Returns the tokens' own states (not the context's), in the model's dtype. ``embeds``
+        ``(T, hidden)`` (a learned prefix) are encoded instead of the tokens' embeddings."""
         dev = self.adapter.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        extra = {} if embeds is None else {"inputs_embeds": embeds.to(device=dev, dtype=self.adapter.dtype)}
         pos = torch.tensor(position_ids, dtype=torch.long, device=dev)
         T = ids.shape[0]
         self.counts["units"] += 1
         self.counts["tokens"] += T
         if context is None:
             cache = DynamicCache()
-            self.adapter.forward(ids, pos, cache, None, None)
+            self.adapter.forward(ids, pos, cache, None, None, **extra)
             layers: list[Any] = list(cache.layers)  # DynamicLayer each (transformers types them as a union)
             keys = torch.stack([layer.keys[0] for layer in layers])  # (L, H, T, D)
             values = torch.stack([layer.values[0] for layer in layers])
@@ -52,7 +55,7 @@ class Encoder:
             cache = DynamicCache([(context.keys[i][None], context.values[i][None])
                                   for i in range(context.keys.shape[0])])
             kpos = torch.cat([context.position_ids.to(dev), pos])
-            self.adapter.forward(ids, pos, cache, context_mask(T, P, dev), kpos)
+            self.adapter.forward(ids, pos, cache, context_mask(T, P, dev), kpos, **extra)
             layers = list(cache.layers)
             keys = torch.stack([layer.keys[0, :, P:] for layer in layers])  # (L, H, T, D)
             values = torch.stack([layer.values[0, :, P:] for layer in layers])
@@ -81,16 +84,19 @@ class Encoder:
         return memo[1]
 
     def conditioned_context(self, base_key: str, base_ids: list[int], base_pos: list[int], cond_key: str,
-                            cond_ids: list[int]) -> ModuleKV:
+                            cond_ids: list[int], embeds: torch.Tensor | None = None) -> ModuleKV:
         """A preamble's states followed by conditioning passages' (which attend to it, at the
-        positions after it), in the model's dtype: both stored, the last pair memoized."""
+        positions after it), in the model's dtype: both stored, the last pair memoized. With
+        ``embeds`` (a learned prefix, ``(len(cond_ids), hidden)``) those are encoded instead of
+        the tokens' embeddings."""
         memo = self._cond_memo
         if memo is None or memo[0] != cond_key:
             base = self.context_states(base_key, base_ids, base_pos)
             P = int(base.position_ids[-1]) + 1
             cond = self.store.get(cond_key)
             if cond is None:
-                cond = self.encode_stored(cond_ids, list(range(P, P + len(cond_ids))), context=base)
+                cond = self.encode(cond_ids, list(range(P, P + len(cond_ids))), context=base,
+                                   embeds=embeds).to(dtype=self.store_dtype)
                 self.store.put(cond_key, cond)
             cond = cond.to(device=self.adapter.device, dtype=self.adapter.dtype)
             memo = self._cond_memo = (cond_key, ModuleKV.concat([base, cond]))

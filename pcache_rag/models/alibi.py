@@ -60,7 +60,10 @@ class AlibiAdapter(Adapter):
         kwargs["attention_mask"] = mask
         return args, kwargs
 
-    def forward(self, input_ids, position_ids, cache, allowed, key_positions, logits_to_keep: int | torch.Tensor = 1):
+    def forward(self, input_ids, position_ids, cache, allowed, key_positions, logits_to_keep: int | torch.Tensor = 1,
+                inputs_embeds: torch.Tensor | None = None):
+        if inputs_embeds is not None:
+            raise ValueError("the ALiBi adapter runs token ids only; a learned conditioning prefix needs a RoPE model")
         q = input_ids.shape[0]
         if allowed is None:  # plain causal over a fresh cache
             allowed = torch.ones(q, q, dtype=torch.bool, device=input_ids.device).tril_()

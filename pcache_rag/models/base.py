@@ -127,10 +127,13 @@ class Adapter:
         allowed: torch.Tensor | None,  # (q, kv_total) bool, or None for plain causal over a fresh cache
         key_positions: torch.Tensor | None,  # (kv_total,) position of every key (ALiBi needs it)
         logits_to_keep: int | torch.Tensor = 1,
+        inputs_embeds: torch.Tensor | None = None,  # (q, hidden): these instead of input_ids' embeddings
     ) -> torch.Tensor:
         """Run the model; returns logits ``(logits_to_keep, vocab)``, or those of the rows a tensor
         ``logits_to_keep`` (M,) names (a batch step's last token of each sequence); fills ``cache``.
-        A windowed model needs ``key_positions`` over a non-empty cache."""
+        A windowed model needs ``key_positions`` over a non-empty cache. ``inputs_embeds`` (a
+        learned conditioning prefix) replaces the tokens' embeddings; ``input_ids`` then only
+        gives the length."""
         mask = None if allowed is None else self.mask(allowed)
         spec = None
         if self.window is not None and not attention.in_ragged_step():  # (a ragged step's sequences bring theirs)
@@ -141,8 +144,9 @@ class Adapter:
                 key_positions = position_ids
             spec = attention.Positions.of(position_ids, key_positions)
         with attention.positioned(spec):
+            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
             out = self.model(
-                input_ids=input_ids[None],
+                **tokens,
                 position_ids=position_ids[None],
                 attention_mask=mask,
                 cache=cache,
