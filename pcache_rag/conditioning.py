@@ -1,4 +1,5 @@
-"""Conditioned encoding's specs and passages (low in the stack: the engine and the RAG path use them).
+"""Conditioned encoding's specs, passages and learned prefixes (low in the stack: the
+engine and the RAG path use them).
 
 A unit encoded right after the preamble reads as if it were the first and only thing
 said; in an assembled prompt it never is. Conditioned encoding encodes it after the
@@ -7,11 +8,23 @@ never part of a prompt, then moves its states back to their own positions. The s
 is ``"none"`` (the paper's semantics), ``"neutral"`` (one passage) or ``"neutral:N"``.
 A caller may instead give its own passage (``Assembler(conditioning_text=...)``, for
 instance one drawn from the corpus); its spec is then ``"passage:<hash>"``.
+
+A **learned prefix** (:class:`LearnedPrefix`, spec ``"learned:<hash>"``) replaces the
+passage's tokens by input embeddings trained so that chunks encoded after it read, to
+the question, as they do inside a full prefill (``pcache-rag calibrate --learn``; see
+:mod:`pcache_rag.rag.learned`). It starts from the neutral passage's own embeddings and
+is stored as safetensors with what it was trained for.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the connectors import this module without it
+    import torch
 
 #: the neutral passages of conditioned encoding, in order
 NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt", "neutral3.txt", "neutral4.txt")
@@ -39,11 +52,84 @@ def neutral_text(n: int) -> str:
     return "".join((folder / name).read_text(encoding="utf-8").strip() + SEPARATOR
                    for name in NEUTRAL_PASSAGES[:n])
 
+def conditioning_kind(spec: str | None) -> str:
+    """``"none"``, ``"neutral"``, ``"passage"`` or ``"learned"``: the kind of a conditioning spec
+    (a neutral spec is checked as :func:`parse_conditioning` does; others by their form)."""
+    for kind in ("passage", "learned"):
+        if str(spec).startswith(kind + ":"):
+            tail = str(spec)[len(kind) + 1:]
+            if len(tail) == 12 and all(c in "0123456789abcdef" for c in tail):
+                return kind
+            raise ValueError(f"a {kind} conditioning spec is '{kind}:' and 12 hex digits, not {spec!r}")
+    return "neutral" if parse_conditioning(spec) else "none"
+
+
 def passage_spec(text: str) -> str:
     """The conditioning spec of a caller's own passage: ``"passage:"`` and a hash of its text."""
-    import hashlib
-
     return "passage:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
-__all__ = ["NEUTRAL_PASSAGES", "neutral_text", "parse_conditioning", "passage_spec"]
+#: what a learned prefix's file says it is (safetensors metadata ``format``)
+LEARNED_FORMAT = "pcache-rag learned conditioning 1"
+
+
+@dataclass(frozen=True, eq=False)
+class LearnedPrefix:
+    """Input embeddings that documents are encoded after, in place of a neutral passage's tokens.
+
+    ``embeds`` is ``(m, hidden_size)`` float32; ``meta`` says what it was trained for and how
+    (``fingerprint``: the model's; ``init``, ``steps``, the KL it measured...). The spec is a hash
+    of the embeddings and the model fingerprint, so states encoded after two different
+    prefixes (or for two models) never share a key.
+    """
+
+    embeds: torch.Tensor  # (m, hidden) float32 (torch is imported lazily, see above)
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta.get("fingerprint", "")
+
+    @property
+    def spec(self) -> str:
+        import torch
+
+        h = hashlib.sha256(self.fingerprint.encode())
+        h.update(self.embeds.detach().to(torch.float32).contiguous().numpy().tobytes())
+        return "learned:" + h.hexdigest()[:12]
+
+    @property
+    def length(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def save(self, path: str | Path) -> Path:
+        """Write the prefix as safetensors (atomically); returns the path."""
+        import torch
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        meta = {**{k: str(v) for k, v in self.meta.items()}, "format": LEARNED_FORMAT}
+        save_file({"embeds": self.embeds.detach().to(torch.float32).contiguous()}, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LearnedPrefix:
+        """Read a prefix written by :meth:`save`; a file that is not one is refused by name."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+                embeds = f.get_tensor("embeds")
+        except (OSError, ValueError, KeyError, SafetensorError) as e:
+            raise ValueError(f"{path} is not a learned conditioning prefix ({e})") from None
+        if meta.pop("format", None) != LEARNED_FORMAT or embeds.ndim != 2 or not embeds.is_floating_point():
+            raise ValueError(f"{path} is not a learned conditioning prefix (format {LEARNED_FORMAT!r})")
+        return cls(embeds.float(), meta)
+
+
+__all__ = ["NEUTRAL_PASSAGES", "LearnedPrefix", "conditioning_kind", "neutral_text", "parse_conditioning",
+           "passage_spec"]

@@ -52,11 +52,12 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
-from ..conditioning import neutral_text, parse_conditioning, passage_spec
+from ..conditioning import LearnedPrefix, conditioning_kind, neutral_text, parse_conditioning, passage_spec
 from ..store import unit_key
 from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, DOCUMENTS_HEADER, MIN_CONDITIONED_TOKENS,
                     ROLES, PCacheFallbackWarning, Segment, split_marked, unmark)
@@ -73,6 +74,24 @@ def default_conditioning(pc: PromptCache) -> str:
                  "(this engine: encoding=%r, %s positions)", pc.encoding, pc.adapter.family)
         return "none"
     return DEFAULT_CONDITIONING
+
+
+def check_prefix(pc: PromptCache, prefix: LearnedPrefix) -> None:
+    """Refuse, by name, a learned prefix this engine cannot encode after: trained for another
+    model, of another width, or on a model whose states cannot take it (ALiBi's adapter feeds
+    token ids only)."""
+    model: Any = pc.model  # a transformers model (typed as a plain Module)
+    hidden = model.get_input_embeddings().weight.shape[1]
+    if prefix.fingerprint and prefix.fingerprint != pc.fingerprint:
+        raise ValueError(f"the learned conditioning prefix {prefix.spec} was trained for another model "
+                         f"({prefix.meta.get('model', prefix.fingerprint[:12])}); learn one for this model with "
+                         "`pcache-rag calibrate --learn`")
+    if prefix.embeds.shape[1] != hidden:
+        raise ValueError(f"the learned conditioning prefix is {prefix.embeds.shape[1]} wide, the model's embeddings "
+                         f"{hidden}")
+    if pc.adapter.family != "rope":
+        raise ValueError(f"a learned conditioning prefix needs a RoPE model; {pc.model_type} has "
+                         f"{pc.adapter.family} positions")
 
 
 @dataclass(slots=True)
@@ -117,26 +136,40 @@ class Assembler:
     ``"default"`` is :func:`default_conditioning`, ``None`` or ``"none"`` the paper's semantics.
     ``conditioning_text`` conditions on that passage instead of the neutral ones (a passage
     drawn from the corpus, say); :attr:`conditioning` is then ``"passage:<hash of it>"``.
+    ``prefix`` conditions on a learned prefix (:class:`~pcache_rag.conditioning.LearnedPrefix`,
+    made by ``pcache-rag calibrate --learn``); :attr:`conditioning` is then its ``"learned:<hash>"``.
     """
 
     def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default",
-                 conditioning_text: str | None = None):
+                 conditioning_text: str | None = None, prefix: LearnedPrefix | None = None):
         self.pc = pc
         if conditioning == "default":
             conditioning = default_conditioning(pc)
         self.system_prompt = system_prompt
         self.base_ids = preamble_ids(pc, system_prompt)
         self.base_key = unit_key(pc.fingerprint, self.base_ids, range(len(self.base_ids)), None, "rag-preamble")
-        if conditioning_text is not None:
+        #: a learned conditioning prefix (its embeddings take the passage's place), or None
+        self.prefix = prefix
+        if prefix is not None:
+            if conditioning_text is not None:
+                raise ValueError("give a learned prefix or a conditioning_text, not both")
+            check_prefix(pc, prefix)
+            n = -1
+            self.conditioning = prefix.spec
+        elif conditioning_text is not None:
             if not conditioning_text.strip():
                 raise ValueError("conditioning_text is empty: give a passage, or conditioning='none'")
             n = -1  # the caller's passage, not the neutral ones
             self.conditioning = passage_spec(conditioning_text)
         else:
+            if conditioning_kind(conditioning) == "learned":
+                raise ValueError(f"conditioning={conditioning!r} needs its prefix: Assembler(prefix=LearnedPrefix.load(...))"
+                                 " (an index loads its own)")
             n = parse_conditioning(conditioning)
             self.conditioning = f"neutral:{n}" if n else "none"
         #: the context a document is encoded after: the preamble, then the conditioning passages
         self.ctx_key = self.base_key
+        #: the conditioning's token ids (a learned prefix: placeholders, one per embedding)
         self.cond_ids: list[int] = []
         if n:
             if pc.encoding != "preamble":
@@ -144,11 +177,16 @@ class Assembler:
             if pc.adapter.family == "learned":
                 raise ValueError(f"conditioned encoding needs states that can move (RoPE or ALiBi); "
                                  f"{pc.model_type}'s learned positions cannot")
-            text = neutral_text(n) if n > 0 else str(conditioning_text).strip() + DOC_SEPARATOR
-            self.cond_ids = pc.safe.text(text)
             P = len(self.base_ids)
+            if prefix is not None:
+                self.cond_ids = [0] * prefix.length  # never read as tokens: the embeddings are encoded
+                kind = "rag-conditioning|" + prefix.spec
+            else:
+                text = neutral_text(n) if n > 0 else str(conditioning_text).strip() + DOC_SEPARATOR
+                self.cond_ids = pc.safe.text(text)
+                kind = "rag-conditioning"
             self.ctx_key = unit_key(pc.fingerprint, self.cond_ids, range(P, P + len(self.cond_ids)), self.base_key,
-                                    "rag-conditioning")
+                                    kind)
 
     # ------------------------------------------------------------------ states
 
@@ -182,7 +220,8 @@ class Assembler:
         """The preamble's states followed by the conditioning passages' (which attend to the
         preamble), in the model's dtype; both stored, the pair memoized."""
         return self.pc.encoder.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
-                                           self.ctx_key, self.cond_ids)
+                                                   self.ctx_key, self.cond_ids,
+                                                   None if self.prefix is None else self.prefix.embeds)
 
     def encode_ids(self, ids: Sequence[int], key: str | None = None, start: int | None = None,
                    store: bool = True) -> ModuleKV:
@@ -441,4 +480,4 @@ def preamble_ids(pc: PromptCache, system_prompt: str) -> list[int]:
     ])
 
 
-__all__ = ["Assembler", "CachedOutput", "default_conditioning", "preamble_ids", "document_ids"]
+__all__ = ["Assembler", "CachedOutput", "check_prefix", "default_conditioning", "preamble_ids", "document_ids"]

@@ -68,9 +68,30 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
-def sample_prompts(rag, n: int, k: int, seed: int = 0) -> list[tuple[list, str]]:
-    """``n`` prompts ``(handles, question)`` drawn from ``rag``'s index: ``k`` distinct chunks
-    (fewer if the index has fewer), and a question quoting six words of one of them."""
+def quote_question(text: str, r: random.Random) -> str:
+    """A question quoting six consecutive words of ``text``, drawn with ``r``."""
+    words = text.split()
+    at = r.randrange(max(1, len(words) - 6))
+    return f'What do the documents say about "{" ".join(words[at:at + 6])}"?'
+
+
+def cloze_question(text: str, r: random.Random) -> tuple[str, str]:
+    """``(question, answer)``: the first part of a line of ``text`` (of ten words or more, where
+    there is one) to complete, and the line's own rest, drawn with ``r``. The answer is the
+    document's text itself, so a prompt made of it needs no label."""
+    lines = [ln.split() for ln in text.splitlines() if len(ln.split()) >= 10] or [text.split()]
+    words = lines[r.randrange(len(lines))]
+    if len(words) < 6:
+        return quote_question(text, r), ""
+    cut = max(3, (len(words) * 3) // 5)
+    return f'Complete this line from the documents: "{" ".join(words[:cut])} ..."', " ".join(words[cut:])
+
+
+def sample_prompts(rag, n: int, k: int, seed: int = 0, cloze: bool = False) -> list[tuple[list, str, str]]:
+    """``n`` prompts ``(handles, question, answer)`` drawn from ``rag``'s index: ``k`` distinct
+    chunks (fewer if the index has fewer), and a question quoting six words of one of them
+    (``answer`` empty), or with ``cloze`` a line of one to complete and its rest
+    (:func:`cloze_question`)."""
     from .types import ModuleHandle
 
     ids = sorted(cid for cid, _ in rag.index.chunks())
@@ -85,14 +106,12 @@ def sample_prompts(rag, n: int, k: int, seed: int = 0) -> list[tuple[list, str]]
         if not pick:
             continue
         target = got[pick[r.randrange(len(pick))]][0]
-        words = target.split()
-        at = r.randrange(max(1, len(words) - 6))
-        phrase = " ".join(words[at:at + 6])
+        question, answer = cloze_question(target, r) if cloze else (quote_question(target, r), "")
         handles = [ModuleHandle(id=cid, score=float(len(pick) - j), kv_key=got[cid][1]["kv_key"],
                                 source=got[cid][1]["source"], text=got[cid][0],
                                 n_tokens=int(got[cid][1].get("n_tokens", 0)), metadata=dict(got[cid][1]))
                    for j, cid in enumerate(pick)]
-        out.append((handles, f'What do the documents say about "{phrase}"?'))
+        out.append((handles, question, answer))
     return out
 
 
@@ -116,7 +135,7 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
 
         it = tqdm(prompts, desc="calibrating", unit="prompt")
     pc = rag.pc
-    for handles, question in it:
+    for handles, question, _ in it:
         q_ids = rag.fit_question(question, handles, {"max_new_tokens": FORCED + 1})
         full_ids = rag.full_prompt_ids(question, handles)
         forced = pc.generate_parts([], full_ids, max_new_tokens=FORCED).token_ids  # full prefill's own answer
@@ -138,7 +157,7 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
                              {c: sum(v) / len(v) for c, v in top1.items()})
 
 
-__all__ = ["calibrate", "CalibrationReport", "sample_prompts", "DEFAULT_GRID"]
+__all__ = ["calibrate", "CalibrationReport", "cloze_question", "quote_question", "sample_prompts", "DEFAULT_GRID"]
 
 
 def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tuple[str | None, str]:

@@ -12,6 +12,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "pcache-index.json"
 FORMAT = "pcache-index-1"
+#: the folder of an index's learned conditioning prefixes (``<hash>.safetensors``)
+PREFIXES = "conditioning"
 
 
 def check_index_dir(path: str | Path, create: bool = True) -> Path:
@@ -22,7 +24,7 @@ def check_index_dir(path: str | Path, create: bool = True) -> Path:
         raise ValueError(f"the index must be a directory, but {p} is a file")
     if p.is_dir():
         names = {c.name for c in p.iterdir()}
-        ours = {MANIFEST, "chroma", "kv", ".ingest.lock"}
+        ours = {MANIFEST, "chroma", "kv", ".ingest.lock", PREFIXES}
         if names and not (names & ours):
             raise ValueError(
                 f"{p} holds other files and is not a pcache-rag index; point the index at a new or empty "
@@ -87,6 +89,36 @@ def write_manifest(index_dir: Path, manifest: dict) -> None:
     os.replace(tmp, index_dir / MANIFEST)
 
 
+def same_conditioning(a: str, b: str) -> bool:
+    """Whether two conditioning specs encode alike (``"neutral"`` is ``"neutral:1"``)."""
+    from ..conditioning import conditioning_kind, parse_conditioning
+
+    ka, kb = conditioning_kind(a), conditioning_kind(b)
+    if ka == kb == "neutral" or ka == kb == "none":
+        return parse_conditioning(a) == parse_conditioning(b)
+    return ka == kb and a == b
+
+
+def prefix_path(index_dir: Path, spec: str) -> Path:
+    """Where an index keeps the learned prefix of ``spec`` (``"learned:<hash>"``)."""
+    return index_dir / PREFIXES / (spec.partition(":")[2] + ".safetensors")
+
+
+def load_prefix(index_dir: Path, spec: str):
+    """The index's learned prefix of ``spec``; a missing or damaged file is refused by name."""
+    from ..conditioning import LearnedPrefix
+
+    path = prefix_path(index_dir, spec)
+    if not path.exists():
+        raise FileNotFoundError(f"the index {index_dir} is encoded with conditioning={spec!r}, but its prefix "
+                                f"{path} is missing; restore it, or re-run `pcache-rag calibrate --learn --index "
+                                f"{index_dir}`")
+    prefix = LearnedPrefix.load(path)
+    if prefix.spec != spec:
+        raise ValueError(f"{path} holds the prefix {prefix.spec}, not {spec}: the file was changed")
+    return prefix
+
+
 def ingest_lock(index_dir: Path):
     """An exclusive lock on the index for the length of an ingest (other processes wait);
     returns the held :class:`filelock.FileLock`."""
@@ -105,8 +137,6 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
                    conditioning: str | None) -> tuple[int, str]:
     """``(chunk_tokens, conditioning)`` for an index: what it was built with, or the asked or
     default ones for a new index; a different one for an index with chunks is refused."""
-    from ..conditioning import parse_conditioning
-
     built = manifest.get("chunk_tokens")
     if chunk_tokens is not None and built and manifest.get("chunks") and chunk_tokens != built:
         raise ValueError(
@@ -118,7 +148,7 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
     # default for a new one; another one for an index with chunks is refused
     had = manifest.get("conditioning", "none" if manifest.get("chunks") else None)
     if conditioning is not None and had is not None and manifest.get("chunks") and \
-            parse_conditioning(conditioning) != parse_conditioning(had):
+            not same_conditioning(conditioning, had):
         raise ValueError(f"the index {index_dir} was encoded with conditioning={had!r}; use it, or a new "
                          f"index directory for conditioning={conditioning!r}")
     cond = conditioning if conditioning is not None else (had if had is not None else "default")

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from ..conditioning import LearnedPrefix, conditioning_kind
 from ..frameworks import DEFAULT_SYSTEM, Assembler
 from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
@@ -47,7 +48,8 @@ from .embed import MiniLMEmbedder
 from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
 from .calibrate import answer_settings, resolve_calibration
-from .index_dir import FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, read_manifest, write_manifest
+from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
+                        prefix_path, read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
 from .lexical import BM25Index, check_retrieval, hybrid_search
 from .prompt import check_fits, chunk_text, question_ids
@@ -72,7 +74,9 @@ class CachedRAG:
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
     machines share: states encoded by one are read by the others. ``conditioning``
     (``"neutral"``, ``"neutral:2"``) encodes every chunk after neutral passages as well as
-    the preamble (see :mod:`pcache_rag.frameworks`); an index keeps the one it was built with.
+    the preamble (see :mod:`pcache_rag.frameworks`); an index keeps the one it was built with,
+    until ``pcache-rag calibrate --learn`` moves it to a learned prefix (``"learned:<hash>"``,
+    kept in the index; a :class:`~pcache_rag.conditioning.LearnedPrefix` given here is copied in).
     ``retrieval``: ``"hybrid"`` fuses BM25 with the dense ranking (:mod:`pcache_rag.rag.lexical`),
     ``"dense"`` is MiniLM alone. ``calibration``: calibrated attention for answers: ``"auto"``
     (the index's own, chosen by ``pcache-rag calibrate`` for this model; none if it has none),
@@ -92,7 +96,7 @@ class CachedRAG:
         create: bool = True,
         recompute: str | None = None,
         kv_url: str | None = None,
-        conditioning: str | None = None,
+        conditioning: str | LearnedPrefix | None = None,
         retrieval: str = "hybrid",
         calibration: str | None = "auto",
     ):
@@ -101,6 +105,9 @@ class CachedRAG:
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
         self.index_dir = check_index_dir(index_dir, create)
+        if isinstance(conditioning, LearnedPrefix):  # a prefix learned elsewhere: the index keeps its own copy
+            conditioning.save(prefix_path(self.index_dir, conditioning.spec))
+            conditioning = conditioning.spec
         #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
         self.recompute = None if recompute is None else str(Recompute.parse(recompute))
         self.k = _check_k(k)
@@ -121,12 +128,18 @@ class CachedRAG:
         self._known_generation: tuple | None = None  # the index version know_indexed() last read
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
-        self.asm = Assembler(self.pc, system_prompt, conditioning=cond)
+        self.asm = self.assembler_for(system_prompt, cond)
         self.preamble_ids = self.asm.base_ids
         self.preamble_key = self.asm.base_key
         self.check_fits(self.k)
 
     # ------------------------------------------------------------------ the index directory
+
+    def assembler_for(self, system_prompt: str, conditioning: str) -> Assembler:
+        """The Assembler for ``conditioning``; a learned one reads the index's own prefix file."""
+        if conditioning == "default" or conditioning_kind(conditioning) != "learned":
+            return Assembler(self.pc, system_prompt, conditioning=conditioning)
+        return Assembler(self.pc, system_prompt, prefix=load_prefix(self.index_dir, conditioning))
 
     def _open_index(self) -> None:
         try:
@@ -155,6 +168,12 @@ class CachedRAG:
                 return False
             if m:
                 self.manifest = m
+                cond = m.get("conditioning")
+                if cond and not same_conditioning(cond, self.asm.conditioning):
+                    # another process switched the index's conditioning (`calibrate --learn`): chunks are keyed
+                    # by it, so this process encodes and reads them under the new one from now on
+                    log.info("the index %s is now encoded with conditioning=%s", self.index_dir, cond)
+                    self.asm = self.assembler_for(self.asm.system_prompt, cond)
             log.info("the index %s changed (generation %d): reopening it", self.index_dir, self.generation)
             self._open_index()
             return True
@@ -197,7 +216,7 @@ class CachedRAG:
     def preamble(self) -> ModuleKV:
         """The preamble's states (and, with conditioning, the passages' after it), made and
         stored on first use: an ingest or a server's warm-up makes them before any chunk."""
-        if self.asm.cond_ids:
+        if self.asm.cond_ids:  # neutral passages or a learned prefix
             self.asm.conditioned_context()
         return self.asm.base()
 
@@ -401,8 +420,13 @@ class CachedRAG:
         pos = self.canonical_start
         for h in sorted(handles, key=lambda h: h.score):  # most relevant last
             kv = self.pc.store.get(h.kv_key)
-            if kv is None:  # evicted or damaged: re-encode from the stored text
-                kv = self.encode_chunk(self.chunk_ids(h.text, h.source), self.canonical_start, h.kv_key)
+            if kv is None:  # evicted, damaged or lazy: encode from the stored text
+                ids = self.chunk_ids(h.text, h.source)
+                key = self.chunk_key(ids, self.canonical_start)
+                if key != h.kv_key:  # keyed for another encoding (the index is moving to a new conditioning):
+                    kv = self.pc.store.get(key)  # read and store under this process's own key, never that one
+                if kv is None:
+                    kv = self.encode_chunk(ids, self.canonical_start, key)
             if pos != self.canonical_start:
                 kv, _ = self.asm.place(kv, pos)
             parts.append((h.id, kv))
