@@ -221,7 +221,9 @@ def cmd_calibrate(a) -> int:
     if rag.index.count() == 0:
         print(f"the index at {a.index} is empty: run `pcache-rag ingest PATH --index {a.index}` first", file=sys.stderr)
         return 2
-    rep = rag.calibrate(n=a.prompts, k=a.k, progress=True, save=not a.dry_run)
+    if a.learn:
+        return _learn(a, rag)
+    rep = rag.calibrate(n=a.prompts or 24, k=a.k, progress=True, save=not a.dry_run)
     for line in rep.lines():
         print(line)
     print(f"\n{rep.prompts} prompts of {rep.k} chunks sampled from the index, {rep.seconds:.0f} s; "
@@ -231,6 +233,28 @@ def cmd_calibrate(a) -> int:
     else:
         print(f"chosen: {rep.chosen}, saved in the index for this model; answers use it by default "
               "(--calibration none turns it off per command)")
+    return 0
+
+
+def _learn(a, rag) -> int:
+    """``calibrate --learn``: a learned conditioning prefix for the index (see pcache_rag.rag.learned)."""
+    from .rag.learned import learn_index
+
+    n = a.prompts or 48
+    was = rag.asm.conditioning
+    rep = learn_index(rag, train=n, val=max(4, n // 3), steps=a.steps, k=a.k, progress=True, save=not a.dry_run)
+    for line in rep.lines():
+        print(line)
+    print(f"\n{rep.train_prompts} prompts to learn on and {rep.val_prompts} to choose by, sampled from the index; "
+          f"{rep.steps} steps, {rep.seconds:.0f} s; KL(full prefill || cached) of the next token after the question "
+          "and after 3 forced answer tokens")
+    if not rep.improved:
+        print(f"kept: {was} (the learned prefix measured no lower than the neutral passage)")
+    elif a.dry_run:
+        print(f"learned {rep.prefix.spec} (not saved: --dry-run)")
+    else:
+        print(f"the index now encodes its chunks after {rep.prefix.spec} (was {was}); every process serving it "
+              "switches at its next question. Calibrated attention was reset: run `pcache-rag calibrate` to choose it")
     return 0
 
 
@@ -294,7 +318,7 @@ def cmd_eval(a) -> int:
     n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
-                       checkpoint=a.checkpoint, workdir=a.workdir)
+                       checkpoint=a.checkpoint, workdir=a.workdir, prefix=a.prefix, learn_steps=a.learn_steps)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
         for m, r in rows.items():
@@ -384,10 +408,17 @@ def build_parser() -> argparse.ArgumentParser:
     rag_args(v)
     v.set_defaults(fn=cmd_verify)
 
-    c = sub.add_parser("calibrate", help="choose calibrated attention for an index without labels (KL to full prefill)")
+    c = sub.add_parser("calibrate", help="choose calibrated attention, or learn a conditioning prefix (--learn), for an "
+                                         "index without labels (KL to full prefill)")
     rag_args(c)
-    c.add_argument("--prompts", type=_positive, default=24, help="prompts sampled from the index")
+    c.add_argument("--prompts", type=_positive, default=None,
+                   help="prompts sampled from the index (default 24; with --learn, 48 to learn on, and a third as many "
+                        "more to choose by)")
     c.add_argument("--k", type=_positive, default=4, help="chunks per sampled prompt")
+    c.add_argument("--learn", action="store_true",
+                   help="learn a conditioning prefix for the index (label-free, about 10 s a step on two cores) and "
+                        "re-encode its chunks after it, instead of choosing calibrated attention")
+    c.add_argument("--steps", type=_positive, default=96, help="with --learn: training steps (one prompt each)")
     c.add_argument("--dry-run", action="store_true", help="measure and print, keep nothing")
     c.set_defaults(fn=cmd_calibrate)
 
@@ -450,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", default=None,
                    help="keep every answered question here (JSON) as it goes; a run with the same settings resumes "
                         "from it, skipping what it holds")
+    e.add_argument("--prefix", default=None,
+                   help="cond:learned's learned prefix (a .safetensors file); learned first and written there when "
+                        "absent (default: next to the checkpoint, or kept in memory)")
+    e.add_argument("--learn-steps", type=_positive, default=96, help="steps when cond:learned learns its prefix")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 

@@ -100,3 +100,34 @@ def _blank_pdf() -> bytes:
 def test_retired_benchmarks_say_where_their_numbers_are(what, replacement, capsys):
     assert main(["bench", what]) == 2
     assert replacement in capsys.readouterr().err
+
+
+@pytest.mark.slow  # five CLI runs, learning included: minutes on a 2-core CPU; `make test-slow`
+def test_calibrate_learn_moves_the_index_and_ask_says_so(tmp_path, smol_dir, capsys):
+    """`calibrate --learn` on a small index: prints the validation KL of no conditioning, the
+    neutral passage and the learned prefix, and (where the prefix measured lower) moves the
+    index to it, which `ask` then reports; `--dry-run` keeps nothing."""
+    import json
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"n{i}.txt").write_text(f"Ledger {i}. " + "The archive files each shipment record by date and office. " * 9)
+    idx = str(tmp_path / "idx")
+    base = ["--index", idx, "--model", str(smol_dir)]
+    assert main(["ingest", str(docs), *base, "--chunk-tokens", "96"]) == 0
+    capsys.readouterr()
+    assert main(["calibrate", *base, "--learn", "--prompts", "2", "--steps", "1", "--k", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "neutral (start)" in out and "learned:" in out and "validation KL" in out
+    manifest = json.loads((Path(idx) / "pcache-index.json").read_text())
+    assert manifest["conditioning"] == "neutral:1", "--dry-run keeps nothing"
+    assert main(["calibrate", *base, "--learn", "--prompts", "2", "--steps", "2", "--k", "2"]) == 0
+    out = capsys.readouterr().out
+    cond = json.loads((Path(idx) / "pcache-index.json").read_text())["conditioning"]
+    if "the index now encodes its chunks after" in out:
+        assert cond.startswith("learned:") and cond in out
+    else:
+        assert "kept: neutral:1" in out and cond == "neutral:1"
+    assert main(["ask", "Which ledger is first?", *base, "--max-new-tokens", "2"]) == 0
+    assert f"conditioning {cond}" in capsys.readouterr().out

@@ -255,7 +255,7 @@ def learn_prefix(pc: PromptCache, base_ids: Sequence[int], train: Sequence[Promp
             opt.step()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(kl=f"{float(loss):.4f}")
+                bar.set_postfix(kl=f"{float(loss.detach()):.4f}")
             if not order or step == steps:  # the end of a pass over the prompts (or of training)
                 v = val_kl(embeds.detach())
                 curve.append((step, v))
