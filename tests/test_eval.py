@@ -219,3 +219,36 @@ def test_the_sample_corpus_is_the_same_text_in_every_process():
     there = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     assert here == there
     assert not any(" at 0x" in t for _, t in stdlib_docs(modules=MODULES))
+
+
+@pytest.mark.slow  # two eval runs on the embedded model (about a minute alone); `make test-slow`
+def test_learned_mode_reads_its_prefix_and_keys_the_checkpoint(smol_dir, tmp_path):
+    """``cond:learned`` encodes the documents after the prefix it is given (learning one only
+    where none is), and the prefix is part of the checkpoint's settings: a run with another
+    prefix is refused by name instead of mixing answers."""
+    from pcache_rag.conditioning import LearnedPrefix
+    from pcache_rag.default_model import load_model
+    from pcache_rag.engine import PromptCache
+    from pcache_rag.measure.quality import run_eval, write_report
+    from pcache_rag.rag.learned import initial_embeds
+
+    model, tok = load_model(smol_dir)
+    pc = PromptCache(model, tok)
+    paths = []
+    for shift in (0.0, 0.01):
+        p = tmp_path / f"p{shift}.safetensors"
+        LearnedPrefix(initial_embeds(pc)[:32] + shift, {"fingerprint": pc.fingerprint}).save(p)
+        paths.append(p)
+    ck = tmp_path / "ck.json"
+    kw = dict(model_path=smol_dir, n=1, doc_tokens=72, max_new_tokens=3, modes=("full", "cond:1", "cond:learned"),
+              sets=("plain",), out_dir=None, log=lambda *a: None, checkpoint=ck)
+    out = run_eval(prefix=paths[0], **kw)
+    spec = LearnedPrefix.load(paths[0]).spec
+    assert out["prefix"]["spec"] == spec and out["config"]["prefix"] == spec
+    rows = out["sets"]["plain"]
+    assert rows["cond:learned"]["recomputed_fraction"] == 0.0 and rows["cond:learned"]["n"] == 1
+    assert json.loads(ck.read_text())["config"]["prefix"] == spec
+    md, _ = write_report(out, tmp_path / "report")
+    assert f"learned prefix `{spec}`" in md.read_text(), "the report says which prefix cond:learned read"
+    with pytest.raises(ValueError, match="prefix"):
+        run_eval(prefix=paths[1], **kw)

@@ -62,8 +62,12 @@ ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
 #: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
 #: passages; see :mod:`pcache_rag.frameworks`), read from the cache with nothing recomputed
 #: ``cond:corpus`` conditions on one passage drawn from the eval's own filler corpus instead
-#: (synthetic sets only)
-COND_MODES = ("cond:1", "cond:2", "cond:4", "cond:corpus")
+#: (synthetic sets only); ``cond:learned`` on a learned prefix (``pcache-rag calibrate --learn``;
+#: :func:`learn_eval_prefix`), the same one for every set
+COND_MODES = ("cond:1", "cond:2", "cond:4", "cond:corpus", "cond:learned")
+#: where ``cond:learned``'s prompts to learn from are drawn from the filler (indices no question's
+#: documents use, in either split: the prefix is learned once and serves both)
+LEARN_PASSAGE = 200_000
 #: where the ``cond:corpus`` passage is drawn from the filler (an offset no question's documents use)
 CORPUS_PASSAGE = 60_000
 #: a cached mode with this suffix reads its documents' states quantized to int8 (KIVI-style, as
@@ -375,6 +379,7 @@ class _Synthetic:
         self.asms: dict[str, object] = {}  # conditioned encodings, through the RAG path's own Assembler
         self.encode_cost: dict[str, list[float]] = {}  # encoding -> [tokens, seconds] of documents encoded
         self.corpus_passage = ""  # ``cond:corpus``'s passage (set by run_eval, per split)
+        self.prefix = None  # ``cond:learned``'s LearnedPrefix (set by run_eval)
 
     def doc_ids(self, doc: str) -> list[int]:
         from ..frameworks import document_ids  # the RAG path's own document tokens
@@ -402,6 +407,8 @@ class _Synthetic:
             if asm is None:
                 if enc == "cond:corpus":
                     asm = Assembler(self.pcs["preamble"], SYSTEM, conditioning_text=self.corpus_passage)
+                elif enc == "cond:learned":
+                    asm = Assembler(self.pcs["preamble"], SYSTEM, prefix=self.prefix)
                 else:
                     asm = Assembler(self.pcs["preamble"], SYSTEM, conditioning=f"neutral:{enc[5:]}")
                 self.asms[enc] = asm
@@ -500,7 +507,7 @@ def rag_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: st
 
 
 def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
-             encodings=("isolated", "preamble"), retrieval: str = "hybrid"):
+             encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None):
     """An ingested corpus of planted-fact files (one per question, plus plain files), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
     from ..engine import PromptCache
@@ -511,6 +518,8 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
     for enc in sorted(set(encodings) | {"preamble"}):
         folder = workdir / f"index-{enc.replace(':', '')}"
         cond = f"neutral:{enc[5:]}" if enc.startswith("cond:") else "none"
+        if enc == "cond:learned":  # the index keeps its own copy, as `calibrate --learn` leaves it
+            cond = prefix
         pc = PromptCache(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
                          cache_dir=str(folder / "kv"))
         rag = CachedRAG(folder, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
@@ -598,12 +607,40 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
     return out
 
 
+def learn_eval_prefix(syn: _Synthetic, tok, doc_tokens: int = 400, k: int = 4, train: int = 48, val: int = 16,
+                      steps: int = 96, seed: int = 0, log=print):
+    """``cond:learned``'s prefix, learned as ``pcache-rag calibrate --learn`` learns one for an index
+    (:mod:`pcache_rag.rag.learned`): label-free, from prompts of ``k`` filler passages at
+    :data:`LEARN_PASSAGE` (no question's documents) and a line of one to complete, whose own
+    rest is the answer (:func:`~pcache_rag.rag.calibrate.cloze_question`).
+    Returns the :class:`~pcache_rag.rag.learned.LearnReport`."""
+    from ..rag.calibrate import cloze_question
+    from ..rag.learned import Prompt, learn_prefix
+
+    r = random.Random(seed + 17)
+    fill = Filler(tok, doc_tokens)
+    safe = syn.pcs["preamble"].safe
+    prompts = []
+    for i in range(train + val):
+        docs = [fill.passage(LEARN_PASSAGE + k * i + j) for j in range(k)]
+        question, answer = cloze_question(docs[r.randrange(k)], r)
+        prompts.append(Prompt([syn.doc_ids(d) for d in docs], syn.q_ids(question), safe.text(answer) if answer else []))
+    rep = learn_prefix(syn.pcs["preamble"], syn.pre_ids, prompts[val:], prompts[:val], steps=steps, seed=seed,
+                       progress=False, log_fn=log, meta={"learned_on": f"eval filler passages at {LEARN_PASSAGE}"})
+    log(f"cond:learned: {rep.prefix.spec}, validation KL {rep.kl_init:.4f} (neutral) -> {rep.kl_learned:.4f} in "
+        f"{rep.seconds:.0f} s ({rep.steps} steps, {rep.train_prompts} prompts to learn on)")
+    return rep
+
+
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
              sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
              out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None,
-             split: str = "reporting") -> dict:
+             split: str = "reporting", prefix: str | Path | None = None, learn_steps: int = 96) -> dict:
     """Run every mode on the same questions of ``split`` (``tuning`` to choose settings,
-    ``reporting`` to report them); returns the results (also written to ``out_dir``)."""
+    ``reporting`` to report them); returns the results (also written to ``out_dir``).
+    ``cond:learned`` reads the learned prefix at ``prefix`` (a file); where there is none it is
+    learned first (:func:`learn_eval_prefix`, ``learn_steps`` steps) and written there (or next
+    to the checkpoint), so a resumed run uses the same one."""
     import tempfile
 
     import torch
@@ -629,11 +666,25 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
               "split": split, "modes": list(modes),
               "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
+    syn = _Synthetic(model, tok)
+    learned = None
+    if any(encoding_of(m).startswith("cond:learned") for m in modes):
+        from ..conditioning import LearnedPrefix
+
+        path = Path(prefix) if prefix else (Path(str(checkpoint) + ".prefix.safetensors") if checkpoint else None)
+        if path is not None and path.exists():
+            syn.prefix = LearnedPrefix.load(path)
+            log(f"cond:learned: {syn.prefix.spec} from {path}")
+        else:
+            learned = learn_eval_prefix(syn, tok, doc_tokens, k, steps=learn_steps, seed=seed, log=log)
+            syn.prefix = learned.prefix
+            if path is not None:
+                syn.prefix.save(path)
+        config["prefix"] = syn.prefix.spec
     if checkpoint and Path(checkpoint).exists():
         results = _resume(Path(checkpoint), config, log)
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
-    syn = _Synthetic(model, tok)
     if any(encoding_of(m).startswith("cond:corpus") for m in modes):  # tokenizing the filler again costs seconds
         syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
@@ -649,7 +700,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             else:
                 wd = Path(workdir)
             qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
-                                               {encoding_of(m) for m in modes if m != "full"})
+                                               {encoding_of(m) for m in modes if m != "full"}, prefix=syn.prefix)
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
@@ -684,6 +735,10 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     summary["config"] = {**config, "seconds": round(time.perf_counter() - t_start, 1)}
     summary["input_hashes"] = hashes
     summary["encode_tokens_per_s"] = syn.encode_rates()
+    if syn.prefix is not None:
+        summary["prefix"] = {"spec": syn.prefix.spec, **{key: syn.prefix.meta.get(key) for key in
+                             ("kl_none", "kl_init", "kl_learned", "steps", "train_prompts", "val_prompts")},
+                             "learn_seconds": round(learned.seconds, 1) if learned is not None else None}
     if checkpoint:
         summary["config"]["resumed_from"] = str(checkpoint)
     if out_dir:  # "" (--out "") writes nowhere, as the help says
@@ -804,6 +859,14 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
     if rates:
         lines += ["Ingest cost (synthetic sets' documents, encoded once each in this run): "
                   + ", ".join(f"{enc} {r:,.0f} tokens/s" for enc, r in rates.items()) + ".", ""]
+    pre = summary.get("prefix")
+    if pre:
+        learned = (f", learned in this run in {pre['learn_seconds']:,.0f} s" if pre.get("learn_seconds") else
+                   ", read from a file")
+        lines += [f"`cond:learned` encodes the documents after the learned prefix `{pre['spec']}` ({pre.get('steps')} "
+                  f"steps on {pre.get('train_prompts')} label-free prompts of filler no question uses{learned}; "
+                  f"validation KL to full prefill: none {pre.get('kl_none')}, neutral passage {pre.get('kl_init')}, "
+                  f"learned {pre.get('kl_learned')}).", ""]
     for note in notes:
         lines += [note, ""]
     for set_name, rows in summary["sets"].items():
