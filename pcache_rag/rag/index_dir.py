@@ -134,9 +134,16 @@ def ingest_lock(index_dir: Path):
 
 
 def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
-                   conditioning: str | None) -> tuple[int, str]:
+                   conditioning) -> tuple[int, str]:
     """``(chunk_tokens, conditioning)`` for an index: what it was built with, or the asked or
-    default ones for a new index; a different one for an index with chunks is refused."""
+    default ones for a new index; a different one for an index with chunks is refused.
+    ``conditioning`` is a spec, None, or a :class:`~pcache_rag.conditioning.LearnedPrefix` learned
+    elsewhere, which is copied into the index once accepted (its spec is returned)."""
+    from ..conditioning import LearnedPrefix
+
+    prefix = conditioning if isinstance(conditioning, LearnedPrefix) else None
+    if prefix is not None:
+        conditioning = prefix.spec
     built = manifest.get("chunk_tokens")
     if chunk_tokens is not None and built and manifest.get("chunks") and chunk_tokens != built:
         raise ValueError(
@@ -154,4 +161,6 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
     cond = conditioning if conditioning is not None else (had if had is not None else "default")
     if chunk_tokens < 16:
         raise ValueError("chunk_tokens must be at least 16")
+    if prefix is not None:
+        prefix.save(prefix_path(index_dir, prefix.spec))
     return chunk_tokens, cond

@@ -318,12 +318,13 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
     attention was chosen for the old states and is dropped (run ``calibrate`` again). Returns the
     number of chunks encoded. Holds the ingest lock throughout."""
     from .index_dir import ingest_lock, prefix_path, read_manifest
+    from .pipeline import index_assembler
 
     lock = ingest_lock(rag.index_dir)
     try:
         rag.refresh(force=True)
         prefix.save(prefix_path(rag.index_dir, prefix.spec))
-        asm = rag.assembler_for(rag.asm.system_prompt, prefix.spec)
+        asm = index_assembler(rag.pc, rag.index_dir, rag.asm.system_prompt, prefix.spec)
         chunks = rag.index.chunks()
         texts = dict(rag.index.texts())
         ids, metas, encoded = [], [], 0

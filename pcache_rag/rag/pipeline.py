@@ -49,7 +49,7 @@ from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
 from .calibrate import answer_settings, resolve_calibration
 from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
-                        prefix_path, read_manifest, same_conditioning, write_manifest)
+                        read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
 from .lexical import BM25Index, check_retrieval, hybrid_search
 from .prompt import check_fits, chunk_text, question_ids
@@ -63,6 +63,27 @@ log = logging.getLogger(__name__)
 #: ``eager``: encode chunks at ingest; ``lazy``: index them now, encode each on first use
 EncodeMode = Literal["eager", "lazy"]
 
+
+# ---------------------------------------------------------------------------- an index's conditioning
+# (functions beside the class, as maintenance and calibration are: CachedRAG stays a façade)
+
+def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, conditioning: str) -> Assembler:
+    """The Assembler that encodes an index's chunks under ``conditioning`` (neutral passages, or a
+    learned prefix read from the index's own file: ``pcache-rag calibrate --learn`` leaves it there)."""
+    if conditioning == "default" or conditioning_kind(conditioning) != "learned":
+        return Assembler(pc, system_prompt, conditioning=conditioning)
+    return Assembler(pc, system_prompt, prefix=load_prefix(index_dir, conditioning))
+
+
+def follow_conditioning(asm: Assembler, index_dir: Path, manifest: dict) -> Assembler:
+    """``asm``, or a new Assembler where another process moved the index to another conditioning
+    (``calibrate --learn``): chunks are keyed by it, so this one encodes and reads under it from now on."""
+    cond = manifest.get("conditioning")
+    if not cond or same_conditioning(cond, asm.conditioning):
+        return asm
+    log.info("the index %s is now encoded with conditioning=%s", index_dir, cond)
+    return index_assembler(asm.pc, index_dir, asm.system_prompt, cond)
+
 class CachedRAG:
     """Ingest documents into chroma + the KV store, and answer questions from cached states.
 
@@ -72,11 +93,10 @@ class CachedRAG:
     of that size must fit the model's context with the question. ``recompute`` sets the
     policy for answers (``"epic:16"``, ``"blend:0.15"``...; per call: ``answer(..., recompute=)``).
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
-    machines share: states encoded by one are read by the others. ``conditioning``
-    (``"neutral"``, ``"neutral:2"``) encodes every chunk after neutral passages as well as
-    the preamble (see :mod:`pcache_rag.frameworks`); an index keeps the one it was built with,
-    until ``pcache-rag calibrate --learn`` moves it to a learned prefix (``"learned:<hash>"``,
-    kept in the index; a :class:`~pcache_rag.conditioning.LearnedPrefix` given here is copied in).
+    machines share: states encoded by one are read by the others. ``conditioning`` (``"neutral"``,
+    ``"neutral:2"``) encodes every chunk after neutral passages as well as the preamble (see
+    :mod:`pcache_rag.frameworks`); an index keeps the one it was built with until ``pcache-rag
+    calibrate --learn`` moves it to a learned prefix (see :func:`index_assembler`).
     ``retrieval``: ``"hybrid"`` fuses BM25 with the dense ranking (:mod:`pcache_rag.rag.lexical`),
     ``"dense"`` is MiniLM alone. ``calibration``: calibrated attention for answers: ``"auto"``
     (the index's own, chosen by ``pcache-rag calibrate`` for this model; none if it has none),
@@ -105,9 +125,6 @@ class CachedRAG:
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
         self.index_dir = check_index_dir(index_dir, create)
-        if isinstance(conditioning, LearnedPrefix):  # a prefix learned elsewhere: the index keeps its own copy
-            conditioning.save(prefix_path(self.index_dir, conditioning.spec))
-            conditioning = conditioning.spec
         #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
         self.recompute = None if recompute is None else str(Recompute.parse(recompute))
         self.k = _check_k(k)
@@ -128,18 +145,11 @@ class CachedRAG:
         self._known_generation: tuple | None = None  # the index version know_indexed() last read
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
-        self.asm = self.assembler_for(system_prompt, cond)
+        self.asm = index_assembler(self.pc, self.index_dir, system_prompt, cond)
         self.preamble_ids = self.asm.base_ids
-        self.preamble_key = self.asm.base_key
         self.check_fits(self.k)
 
     # ------------------------------------------------------------------ the index directory
-
-    def assembler_for(self, system_prompt: str, conditioning: str) -> Assembler:
-        """The Assembler for ``conditioning``; a learned one reads the index's own prefix file."""
-        if conditioning == "default" or conditioning_kind(conditioning) != "learned":
-            return Assembler(self.pc, system_prompt, conditioning=conditioning)
-        return Assembler(self.pc, system_prompt, prefix=load_prefix(self.index_dir, conditioning))
 
     def _open_index(self) -> None:
         try:
@@ -168,12 +178,7 @@ class CachedRAG:
                 return False
             if m:
                 self.manifest = m
-                cond = m.get("conditioning")
-                if cond and not same_conditioning(cond, self.asm.conditioning):
-                    # another process switched the index's conditioning (`calibrate --learn`): chunks are keyed
-                    # by it, so this process encodes and reads them under the new one from now on
-                    log.info("the index %s is now encoded with conditioning=%s", self.index_dir, cond)
-                    self.asm = self.assembler_for(self.asm.system_prompt, cond)
+                self.asm = follow_conditioning(self.asm, self.index_dir, m)
             log.info("the index %s changed (generation %d): reopening it", self.index_dir, self.generation)
             self._open_index()
             return True
@@ -420,13 +425,10 @@ class CachedRAG:
         pos = self.canonical_start
         for h in sorted(handles, key=lambda h: h.score):  # most relevant last
             kv = self.pc.store.get(h.kv_key)
-            if kv is None:  # evicted, damaged or lazy: encode from the stored text
-                ids = self.chunk_ids(h.text, h.source)
+            if kv is None:  # evicted, damaged or lazy: encode from the stored text, under this process's own key
+                ids = self.chunk_ids(h.text, h.source)  # (never one keyed for another conditioning: an index moving)
                 key = self.chunk_key(ids, self.canonical_start)
-                if key != h.kv_key:  # keyed for another encoding (the index is moving to a new conditioning):
-                    kv = self.pc.store.get(key)  # read and store under this process's own key, never that one
-                if kv is None:
-                    kv = self.encode_chunk(ids, self.canonical_start, key)
+                kv = (self.pc.store.get(key) if key != h.kv_key else None) or self.encode_chunk(ids, self.canonical_start, key)
             if pos != self.canonical_start:
                 kv, _ = self.asm.place(kv, pos)
             parts.append((h.id, kv))
