@@ -62,9 +62,9 @@ class Encoder:
         return ModuleKV(keys.contiguous(), values.contiguous(), ids.cpu(), pos.cpu())
 
     def encode_stored(self, token_ids: list[int], position_ids: list[int],
-                      context: ModuleKV | None = None) -> ModuleKV:
+                      context: ModuleKV | None = None, embeds: torch.Tensor | None = None) -> ModuleKV:
         """:meth:`encode`, converted to the store's dtype."""
-        return self.encode(token_ids, position_ids, context).to(dtype=self.store_dtype)
+        return self.encode(token_ids, position_ids, context, embeds).to(dtype=self.store_dtype)
 
     def stored_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
         """The stored states under ``key``, encoding (and storing) them first if absent."""
@@ -95,8 +95,7 @@ class Encoder:
             P = int(base.position_ids[-1]) + 1
             cond = self.store.get(cond_key)
             if cond is None:
-                cond = self.encode(cond_ids, list(range(P, P + len(cond_ids))), context=base,
-                                   embeds=embeds).to(dtype=self.store_dtype)
+                cond = self.encode_stored(cond_ids, list(range(P, P + len(cond_ids))), base, embeds)
                 self.store.put(cond_key, cond)
             cond = cond.to(device=self.adapter.device, dtype=self.adapter.dtype)
             memo = self._cond_memo = (cond_key, ModuleKV.concat([base, cond]))

@@ -7,6 +7,10 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the class is imported where it is used (this module stays light)
+    from ..conditioning import LearnedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +138,7 @@ def ingest_lock(index_dir: Path):
 
 
 def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
-                   conditioning) -> tuple[int, str]:
+                   conditioning: str | LearnedPrefix | None) -> tuple[int, str]:
     """``(chunk_tokens, conditioning)`` for an index: what it was built with, or the asked or
     default ones for a new index; a different one for an index with chunks is refused.
     ``conditioning`` is a spec, None, or a :class:`~pcache_rag.conditioning.LearnedPrefix` learned
@@ -142,8 +146,7 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
     from ..conditioning import LearnedPrefix
 
     prefix = conditioning if isinstance(conditioning, LearnedPrefix) else None
-    if prefix is not None:
-        conditioning = prefix.spec
+    spec = conditioning.spec if isinstance(conditioning, LearnedPrefix) else conditioning
     built = manifest.get("chunk_tokens")
     if chunk_tokens is not None and built and manifest.get("chunks") and chunk_tokens != built:
         raise ValueError(
@@ -154,11 +157,11 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
     # conditioned encoding: the index's own (an index from before it existed: none), or the
     # default for a new one; another one for an index with chunks is refused
     had = manifest.get("conditioning", "none" if manifest.get("chunks") else None)
-    if conditioning is not None and had is not None and manifest.get("chunks") and \
-            not same_conditioning(conditioning, had):
+    if spec is not None and had is not None and manifest.get("chunks") and \
+            not same_conditioning(spec, had):
         raise ValueError(f"the index {index_dir} was encoded with conditioning={had!r}; use it, or a new "
-                         f"index directory for conditioning={conditioning!r}")
-    cond = conditioning if conditioning is not None else (had if had is not None else "default")
+                         f"index directory for conditioning={spec!r}")
+    cond = spec if spec is not None else (had if had is not None else "default")
     if chunk_tokens < 16:
         raise ValueError("chunk_tokens must be at least 16")
     if prefix is not None:

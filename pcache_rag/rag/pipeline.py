@@ -84,6 +84,7 @@ def follow_conditioning(asm: Assembler, index_dir: Path, manifest: dict) -> Asse
     log.info("the index %s is now encoded with conditioning=%s", index_dir, cond)
     return index_assembler(asm.pc, index_dir, asm.system_prompt, cond)
 
+
 class CachedRAG:
     """Ingest documents into chroma + the KV store, and answer questions from cached states.
 
