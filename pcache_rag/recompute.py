@@ -182,27 +182,32 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
-    """Fresh keys (H, C, D) at ``layer`` of a causal forward over ``ids`` stopped after that layer."""
+    """Fresh keys (H, C, D) at ``layer`` of a causal forward over ``ids``, stopped as soon as that
+    layer has written them (its attention and MLP, and every later layer, are never run)."""
     from transformers.cache_utils import DynamicCache
 
-    layers = decoder_layers(adapter.model)
-    if not 0 <= layer < len(layers):
-        raise ValueError(f"blend check layer {layer} is outside 0..{len(layers) - 1}")
+    if not 0 <= layer < len(decoder_layers(adapter.model)):
+        raise ValueError(f"blend check layer {layer} is outside 0..{len(decoder_layers(adapter.model)) - 1}")
 
-    def stop(*_):
-        raise _Stop
+    class StopAfterKeys(DynamicCache):  # the forward ends where layer ``layer`` stores its keys
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx == layer:
+                raise _Stop
+            return out
 
-    cache = DynamicCache()
+    cache = StopAfterKeys()
     C = ids.shape[0]
-    allowed = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril_()
-    key_pos = pos if adapter.needs_key_positions else None
-    h = layers[layer].register_forward_hook(stop)
+    if adapter.needs_key_positions:  # ALiBi: its bias needs every key's position, so the explicit mask
+        allowed, key_pos = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril_(), pos
+    else:  # plain causal, as a full prefill runs (no dense C x C mask: the causal flash kernel)
+        allowed = key_pos = None
     try:
         adapter.forward(ids, pos, cache, allowed, key_pos)
     except _Stop:
         pass
-    finally:
-        h.remove()
+    if len(cache.layers) <= layer or cache.layers[layer].keys is None:
+        raise RuntimeError(f"blend: {type(adapter.model).__name__} never stored the keys of layer {layer}")
     return cache.layers[layer].keys[0]  # (H, C, D)
 
 

@@ -241,15 +241,17 @@ def test_batched_decoding_equals_one_at_a_time(smol_tok):
     assert len({tuple(b.token_ids) for b in batch}) > 1, "the prompts must not all agree, or the check is weak"
 
 
-@pytest.mark.parametrize("max_runs", [8, 0])
+@pytest.mark.parametrize("max_runs,block", [(8, 48), (0, 48), (0, 3)])
 @pytest.mark.parametrize("spec", ["epic:2", "blend:0.3", "focus:0.3", "all", "rows"])
-def test_split_path_equals_the_masked_path(pc, spec, max_runs, monkeypatch):
+def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatch):
     """Recomputed rows on the split path (no dense mask: pcache_sdpa reads the rows) give the
     logits of the dense-mask path they replace, to 1e-5, and the same decoded tokens; both
-    for runs of consecutive rows (max_runs=8) and through the small rows-by-cache mask (0)."""
+    for runs of consecutive rows (max_runs=8) and as a scattered selection (0), in one block
+    of rows or in blocks of 3 (each over the keys before it unmasked, and its own span masked)."""
     import pcache_rag.models.attention as attention
 
     monkeypatch.setattr(attention, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(attention, "SCATTERED_BLOCK", block)
 
     parts, new = _parts(pc)
     kvs = [kv for _, kv in parts]

@@ -19,7 +19,8 @@ math path.
 **Recomputed rows** (:func:`recompute_attention`) ride on the split too, inside
 :func:`recomputing`: the rows' fresh keys replace their stale ones in place, runs of
 consecutive rows attend to the cache before them unmasked and to themselves causally, and
-the new tokens see the whole cache; only a scattered selection needs a (small) mask.
+the new tokens see the whole cache; only a scattered selection needs masks, small ones
+(blocks of rows, each over the keys between its first and last row).
 
 **Calibrated attention** (APE, arXiv 2502.05431) rides on the same split. Inside
 :func:`calibrated`, the keys of one cached range (the documents, after the shared
@@ -199,6 +200,7 @@ class RecomputedRows:
     rows: torch.Tensor  # (n,) long, ascending, on the model's device
     C: int
     spans: tuple[tuple[int, int], ...] = ()  # the runs of consecutive rows, [a, b); see of()
+    host: tuple[int, ...] = ()  # ``rows`` on the host
 
     @classmethod
     def of(cls, rows: torch.Tensor, C: int, device) -> RecomputedRows:
@@ -209,7 +211,7 @@ class RecomputedRows:
             if i == len(r) or r[i] != r[i - 1] + 1:
                 spans.append((r[a], r[i - 1] + 1))
                 a = i
-        return cls(rows.to(device), C, tuple(spans))
+        return cls(rows.to(device), C, tuple(spans), tuple(r))
 
 
 @contextmanager
@@ -289,22 +291,25 @@ def ragged(step: RaggedStep | None):
         yield counter
 
 
-def _attend(query, key, value, scale: float, causal: bool):
+def _attend(query, key, value, scale: float, causal: bool, mask: torch.Tensor | None = None):
     """``(out (B, H, q, Dv), lse (B, H, q) float32)`` of softmax attention over all of ``key``
-    (or causally, for a square block); ``query`` and ``key`` have the same number of heads.
+    (or causally, for a square block; or with ``mask`` (q, k), added to the logits: 0 or
+    -inf, every row seeing some key); ``query`` and ``key`` have the same number of heads.
     On CPU, PyTorch's flash kernel, which returns the LSE; elsewhere :func:`_attend_math`."""
     if query.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scale)
+            query, key, value, 0.0, causal, attn_mask=None if mask is None else mask[None, None], scale=scale)
         return out, lse.float()
-    return _attend_math(query, key, value, scale, causal)
+    return _attend_math(query, key, value, scale, causal, mask)
 
 
-def _attend_math(query, key, value, scale: float, causal: bool):
+def _attend_math(query, key, value, scale: float, causal: bool, mask: torch.Tensor | None = None):
     """:func:`_attend` on explicit float32 logits (any device). Written out because no
     public kernel returns the LSE on every device; the CUDA flash and efficient kernels
     do, and are the next step where a GPU can measure them."""
     s = (query.float() @ key.float().transpose(-1, -2)) * scale  # (B, H, q, k)
+    if mask is not None:
+        s = s + mask.float()
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril_(), float("-inf"))
@@ -340,13 +345,10 @@ def recompute_attention(
     workspace gets them after the forward anyway: :meth:`~pcache_rag.kv.Workspace.replace_rows`),
     so the cache reads in cache order. A run of consecutive recomputed rows ``[a, b)`` then
     attends to the cache before it unmasked and to itself causally (the whole cache, for
-    ``all``: one causal pass); more than :data:`MAX_RUNS` runs (a scattered selection) use
-    one small mask of recomputed rows by cache rows instead. The new tokens attend to the
+    ``all``: one causal pass); more than :data:`MAX_RUNS` runs (a scattered selection) attend
+    in blocks of rows instead, each with a small mask (:func:`_scattered_rows`). The new tokens attend to the
     whole cache unmasked and to themselves causally. Every piece is merged by log-sum-exp.
     Returns (B, n + q, H, Dv)."""
-    B, H, nq, D = query.shape
-    Hkv = key.shape[1]
-    G = H // Hkv
     rows, C = rec.rows, rec.C
     n = rows.shape[0]
     key[:, :, :C].index_copy_(2, rows, key[:, :, C : C + n])  # fresh rows in place of the stale ones
@@ -362,16 +364,49 @@ def recompute_attention(
             i += m
         rows_out = torch.cat(outs, dim=1)  # (B, n, H, Dv)
     else:
-        allowed = torch.arange(C, device=query.device)[None, :] <= rows[:, None]  # (n, C)
-        qr = query[:, :, :n].reshape(B, Hkv, G * n, D)  # rows ordered (group member, token)
-        rows_out = F.scaled_dot_product_attention(qr, kc, vc, attn_mask=allowed.repeat(G, 1)[None, None],
-                                                  scale=scaling).reshape(B, H, n, -1).transpose(1, 2)
+        rows_out = _scattered_rows(query[:, :, :n], kc, vc, rows, rec.host, scaling)
     new_out = _split(query[:, :, n:], kc, vc, key[:, :, C + n :], value[:, :, C + n :], scaling, None)
     return torch.cat([rows_out.to(new_out.dtype), new_out], dim=1).contiguous()  # (B, n + q, H, Dv)
 
 
-#: a selection in more runs of consecutive rows than this attends through one small mask
+#: a selection in more runs of consecutive rows than this attends in blocks (:func:`_scattered_rows`)
 MAX_RUNS = 8
+#: recomputed rows per block of a scattered selection
+SCATTERED_BLOCK = 48
+
+
+def _scattered_rows(
+    query: torch.Tensor,  # (B, H, n, D): recomputed cache rows, in cache order
+    key: torch.Tensor,  # (B, H_kv, C, D): the cache, the rows' fresh keys already in place
+    value: torch.Tensor,  # (B, H_kv, C, Dv)
+    rows: torch.Tensor,  # (n,) their cache rows, ascending, on the device
+    host: tuple[int, ...],  # the same, on the host
+    scaling: float | None,
+) -> torch.Tensor:
+    """Row ``rows[i]`` attends to cache rows ``0..rows[i]`` (causal in cache order), for a
+    scattered selection, in blocks of :data:`SCATTERED_BLOCK` rows ``lo..hi``: every row of a
+    block sees keys ``[0, lo)`` (one unmasked pass) and keys ``[lo, hi]`` through a small mask;
+    the two are merged by log-sum-exp. Keys after ``hi`` are never read, so this costs about
+    half of one dense ``n x C`` mask (the way a causal kernel skips its upper triangle).
+    Returns (B, n, H, Dv)."""
+    B, H, n, D = query.shape
+    Hkv = key.shape[1]
+    G = H // Hkv
+    sc = scaling if scaling is not None else D**-0.5
+    outs = []
+    for s in range(0, n, SCATTERED_BLOCK):
+        e = min(n, s + SCATTERED_BLOCK)
+        m, lo, hi = e - s, host[s], host[e - 1] + 1
+        qb = query[:, :, s:e].reshape(B, Hkv, G * m, D)  # rows ordered (group member, token): no repeat of keys
+        seen = torch.arange(lo, hi, device=query.device)[None, :] <= rows[s:e, None]  # (m, hi - lo)
+        mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill_(~seen, float("-inf"))
+        o, lse = _attend(qb, key[:, :, lo:hi], value[:, :, lo:hi], sc, False, mask.repeat(G, 1))
+        if lo > 0:  # every row of the block sees all of [0, lo): unmasked; each row sees its own key above
+            o0, lse0 = _attend(qb, key[:, :, :lo], value[:, :, :lo], sc, False)
+            w = torch.softmax(torch.stack([lse0, lse]), dim=0).unsqueeze(-1)  # each part's share
+            o = (w[0] * o0.float() + w[1] * o.float()).to(query.dtype)
+        outs.append(o.reshape(B, Hkv, G, m, -1))
+    return torch.cat(outs, dim=3).reshape(B, H, n, -1).transpose(1, 2)  # (B, n, H, Dv)
 
 
 def _split(
