@@ -250,3 +250,32 @@ def test_stopping_the_batch_fails_what_waits_instead_of_hanging(pc):
         list(req.items())
     with pytest.raises(RuntimeError, match="stopped"):
         sched.submit(Request(SamplingParams(), 100, prepare=_prep(pc, parts, q)))
+
+
+def test_release_pool_hands_back_this_threads_openmp_workers():
+    """A thread that ran a parallel kernel keeps OpenMP workers (OS threads); release_pool
+    ends them, and the thread's next kernel builds a pool again and computes the same."""
+    import os
+    import time
+
+    from pcache_rag.engine.threads import has_pool_release, release_pool
+
+    if not has_pool_release():
+        pytest.skip("PyTorch here does not run on a bundled libgomp: release_pool does nothing")
+    if torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs at least 2 intra-op threads and /proc to count OS threads")
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    a = torch.randn(512, 512)
+    first = a @ a  # a parallel region: this thread's pool exists from here on
+    with_pool = threads()
+    assert release_pool()
+    deadline = time.time() + 5
+    while threads() >= with_pool and time.time() < deadline:
+        time.sleep(0.01)
+    released = threads()
+    assert released <= with_pool - (torch.get_num_threads() - 1), "the pool's workers ended"
+    assert torch.equal(a @ a, first)
+    assert threads() >= released + torch.get_num_threads() - 1, "the next region built a pool again"

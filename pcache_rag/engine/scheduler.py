@@ -39,6 +39,7 @@ from ..models import UnsupportedModelError
 from ..models.attention import CalibratedSpan, Positions, RaggedStep, ragged
 from .decode import Decoding, SamplingParams
 from .lock import EngineLock
+from .threads import release_pool
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Scheduler:
         self._stopping = False
         self.counts = {"steps": 0, "decoded": 0, "prefills": 0, "chunks": 0, "finished": 0, "cancelled": 0,
                        "max_batch_seen": 0}
+        self.busy_s = 0.0  # seconds spent in steps
 
     # ------------------------------------------------------------------ requests
 
@@ -169,17 +171,21 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Live and waiting requests, rows held against the budget, and the counters (decode
-        steps, sequence-steps decoded, prefills, chunks; ``mean_batch`` = decoded / steps)."""
+        steps, sequence-steps decoded, prefills, chunks; ``mean_batch`` = decoded / steps;
+        ``busy_s``: seconds spent in steps)."""
         steps = self.counts["steps"]
         return {"live": len(self._live) + len(self._filling), "waiting": len(self._pending),
                 "live_rows": self.live_rows, "kv_budget": self.kv_budget, "max_batch": self.max_batch,
-                "prefill_tokens": self.prefill_tokens, **self.counts,
+                "prefill_tokens": self.prefill_tokens, **self.counts, "busy_s": round(self.busy_s, 3),
                 "mean_batch": round(self.counts["decoded"] / steps, 2) if steps else 0.0}
 
     # ------------------------------------------------------------------ running
 
     def start(self) -> None:
-        """Run in a daemon thread until :meth:`stop`."""
+        """Run in a daemon thread until :meth:`stop`. The calling thread (which loaded the
+        model, mostly) hands back its OpenMP pool, so the batch's thread keeps the only one
+        (:mod:`.threads`)."""
+        release_pool()
         if self._thread is None or not self._thread.is_alive():
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="pcache-batch", daemon=True)
@@ -233,9 +239,11 @@ class Scheduler:
         """One step: drop cancelled requests, admit waiting ones, then one forward for the
         running requests' next tokens and the prompts being prefilled."""
         with self._lock, torch.no_grad():
+            t0 = time.perf_counter()
             self._drop_cancelled()
             self._admit()
             self._forward()
+            self.busy_s += time.perf_counter() - t0
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -380,10 +388,12 @@ def batch_refusal(adapter) -> str:
 
 def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[str | GenerationOutput]:
     """A stream's items from the batch: the request is made and submitted at the first item
-    (its TTFT counts from there); closing the stream cancels it."""
+    (its TTFT counts from there); closing the stream cancels it. The stream's thread then only
+    waits, so it hands back any OpenMP pool that making the request built (:mod:`.threads`)."""
     req = make()
     req.t0 = time.perf_counter()
     sched.submit(req)
+    release_pool()
     try:
         for item in req.items():
             if isinstance(item, GenerationOutput) and req.seq is not None:

@@ -31,6 +31,7 @@ import torch
 
 from ..engine import ContextOverflowError
 from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
+from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
 from ..rag.prompt import user_turn
 
@@ -154,6 +155,7 @@ class AnswerService:
         return next(iter(tuple(self._running)), None)  # a copy: stream threads change the set
 
     def start(self) -> None:
+        release_pool()  # the answers' threads keep the only OpenMP pool (pcache_rag.engine.threads)
         if self.max_batch > 1 and self.rag.pc.scheduler is None:
             self.rag.pc.start_batching(max_batch=self.max_batch, prefill_tokens=self.prefill_tokens)
             self._own_batch = True
@@ -167,6 +169,7 @@ class AnswerService:
         self.rag.embedder.embed(["warm up"])
         self.rag.preamble()
         self.rag.know_indexed()  # the index's chunks, found in prompts that paste them in
+        release_pool()  # this thread now waits; answers run elsewhere
 
     def resume_uploads(self) -> list[str]:
         """Finish what a killed server left: uploads saved but never indexed are ingested in the
@@ -281,6 +284,8 @@ class AnswerService:
             self._running.add(job.id)
             t0 = time.perf_counter()
             opened = self._guarded(job, self._open, job)
+            if self.max_batch > 1:  # the batch's thread decodes: this one waits for the next job
+                release_pool()
             if opened is None:
                 self._done(job, t0)
             elif self.max_batch == 1:
