@@ -442,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--queue", type=_positive, default=64, help="questions that may wait; more get 503")
     v.add_argument("--max-batch", type=_positive, default=16, metavar="N",
                    help="answers decoded together in one continuous batch (1: one at a time)")
-    v.add_argument("--prefill-tokens", type=_positive, default=128, metavar="N",
+    # engine.scheduler.DEFAULT_PREFILL_TOKENS, written out: this module imports no torch
+    v.add_argument("--prefill-tokens", type=_positive, default=512, metavar="N",
                    help="prompt tokens a batch step computes beside decoding; longer prompts are prefilled in "
                         "chunks (smaller: smoother streams, slower long prompts)")
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")

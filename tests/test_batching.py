@@ -279,3 +279,13 @@ def test_release_pool_hands_back_this_threads_openmp_workers():
     assert released <= with_pool - (torch.get_num_threads() - 1), "the pool's workers ended"
     assert torch.equal(a @ a, first)
     assert threads() >= released + torch.get_num_threads() - 1, "the next region built a pool again"
+
+
+def test_serve_default_prefill_budget_is_the_engines():
+    """`serve --prefill-tokens` defaults to the scheduler's own budget (the CLI writes it out,
+    since it imports no torch)."""
+    from pcache_rag.cli import build_parser
+    from pcache_rag.engine.scheduler import DEFAULT_PREFILL_TOKENS
+
+    args = build_parser().parse_args(["serve", "--index", "x"])
+    assert args.prefill_tokens == DEFAULT_PREFILL_TOKENS
