@@ -186,8 +186,9 @@ def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int)
     layer has written them (its attention and MLP, and every later layer, are never run)."""
     from transformers.cache_utils import DynamicCache
 
-    if not 0 <= layer < len(decoder_layers(adapter.model)):
-        raise ValueError(f"blend check layer {layer} is outside 0..{len(decoder_layers(adapter.model)) - 1}")
+    n_layers = len(decoder_layers(adapter.model))
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"blend check layer {layer} is outside 0..{n_layers - 1}")
 
     class StopAfterKeys(DynamicCache):  # the forward ends where layer ``layer`` stores its keys
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
