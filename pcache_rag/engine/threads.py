@@ -38,6 +38,8 @@ _looked = False
 def _find():
     """``omp_pause_resource_all`` of the libgomp that PyTorch loaded, or None."""
     global _pause, _looked
+    if _looked:  # every request asks: no lock once the answer is known
+        return _pause
     with _lock:
         if _looked:
             return _pause
