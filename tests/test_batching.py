@@ -197,6 +197,51 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
     assert st["cancelled"] == 1 and st["live"] == 0 and st["live_rows"] == 0
 
 
+def test_the_first_token_is_sampled_before_the_rows_are_copied(pc, monkeypatch):
+    """A request the engine prefills (recomputed rows) takes its first token from the workspace's
+    logits before its rows are copied out (the copy is the decode's cost, not TTFT's): an answer
+    of one token never copies, and a copy that fails fails that request only."""
+    from pcache_rag.engine import scheduler as sched_mod
+
+    reqs = _requests(pc)[:3]
+    real = RequestKV.from_workspace
+    seen: list[int] = []
+
+    def spy(ws, extra, positions=None):
+        seen.append(extra)
+        return real(ws, extra, positions)
+
+    monkeypatch.setattr(sched_mod.RequestKV, "from_workspace", staticmethod(spy))
+    one = pc.generate_parts_batch([(p, n, None, "epic:2") for p, n in reqs], max_new_tokens=1)
+    assert seen == [] and all(len(o.token_ids) == 1 for o in one)
+    assert [o.token_ids for o in one] == [pc.generate_parts(p, n, recompute="epic:2", max_new_tokens=1).token_ids
+                                          for p, n in reqs]
+    pc.generate_parts_batch([(p, n, None, "epic:2") for p, n in reqs], max_new_tokens=2)
+    assert seen == [2, 2, 2]
+
+    calls = {"n": 0}
+
+    def failing_second(ws, extra, positions=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("no room for the copy")
+        return real(ws, extra, positions)
+
+    monkeypatch.setattr(sched_mod.RequestKV, "from_workspace", staticmethod(failing_second))
+    batch = [pc._request(p, list(n), None, pc.policy("epic:2"), None, SamplingParams(max_new_tokens=6))
+             for p, n in reqs]
+    sched = Scheduler(pc, pc._lock, 4, 4096, None)
+    for r in batch:
+        sched.submit(r)
+    sched.run_until_idle()
+    with pytest.raises(MemoryError, match="no room"):
+        list(batch[1].items())
+    for i in (0, 2):
+        *_, out = batch[i].items()
+        assert out.token_ids == pc.generate_parts(*reqs[i], recompute="epic:2", max_new_tokens=6).token_ids
+    assert sched.stats()["live"] == 0
+
+
 def test_the_row_budget_makes_requests_wait_and_refuses_what_can_never_fit(pc):
     reqs = _requests(pc)
     sizes = [sum(kv.length for _, kv in p) + len(n) + 6 for p, n in reqs[:2]]
