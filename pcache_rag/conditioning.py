@@ -14,10 +14,15 @@ passage's tokens by input embeddings trained so that chunks encoded after it rea
 the question, as they do inside a full prefill (``pcache-rag calibrate --learn``; see
 :mod:`pcache_rag.rag.learned`). It starts from the neutral passage's own embeddings and
 is stored as safetensors with what it was trained for.
+
+**Shipped prefixes** (``pcache_rag/data/learned/*.safetensors``): a prefix learned once for an
+embedded model. It is the RAG default wherever its model fingerprint equals the engine's
+(:func:`shipped_prefix`); other models keep the neutral passage.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +31,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: the connectors import this module without it
     import torch
 
+#: where shipped prefixes live (one file per embedded model; matched by model fingerprint)
+SHIPPED_DIR = Path(__file__).parent / "data" / "learned"
 #: the neutral passages of conditioned encoding, in order
 NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt", "neutral3.txt", "neutral4.txt")
 #: what follows each passage (a blank line, as after a document)
@@ -131,5 +138,25 @@ class LearnedPrefix:
         return cls(embeds.float(), meta)
 
 
-__all__ = ["NEUTRAL_PASSAGES", "LearnedPrefix", "conditioning_kind", "neutral_text", "parse_conditioning",
-           "passage_spec"]
+def shipped_prefix(fingerprint: str, folder: str | Path | None = None) -> LearnedPrefix | None:
+    """The shipped learned prefix trained for the model of ``fingerprint`` (in ``folder``,
+    default :data:`SHIPPED_DIR`), or None. Only the files' metadata is read until one matches;
+    a file that is not a prefix is refused by name (it was shipped broken). Read once per
+    process and folder."""
+    return _shipped(fingerprint, str(folder or SHIPPED_DIR))
+
+
+@functools.lru_cache(maxsize=16)
+def _shipped(fingerprint: str, folder: str) -> LearnedPrefix | None:
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:
+            return LearnedPrefix.load(path)
+    return None
+
+
+__all__ = ["NEUTRAL_PASSAGES", "SHIPPED_DIR", "LearnedPrefix", "conditioning_kind", "neutral_text",
+           "parse_conditioning", "passage_spec", "shipped_prefix"]

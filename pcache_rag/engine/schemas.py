@@ -12,7 +12,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..conditioning import neutral_text, parse_conditioning
+import torch
+
+from ..conditioning import neutral_text, parse_conditioning, shipped_prefix
 from ..kv import ModuleKV
 from ..pml import PMLError, SchemaLayout, layout_schema, parse_prompt, plan_prompt
 from ..pml.layout import PromptPlan, Unit
@@ -22,6 +24,9 @@ from .types import Encoding, SchemaReport
 
 log = logging.getLogger(__name__)
 
+#: ``_conditioning``'s answer for ``<schema conditioning="learned">``: the model's shipped prefix
+LEARNED = -1
+
 
 @dataclass(slots=True)
 class SchemaState:
@@ -30,7 +35,8 @@ class SchemaState:
     layout: SchemaLayout
     keys: dict[str, str] = field(default_factory=dict)  # unit name -> store key
     context: dict[str, str | None] = field(default_factory=dict)  # unit name -> key of what it attended to
-    conditioning: tuple[str | None, list[int], str] | None = None  # (preamble key, passage ids, context key)
+    # (preamble key, passage ids, context key, a learned prefix's embeddings (m, hidden) or None)
+    conditioning: tuple[str | None, list[int], str, torch.Tensor | None] | None = None
 
 
 class SchemaRegistry:
@@ -65,12 +71,17 @@ class SchemaRegistry:
         if pre is not None:
             pre_key = unit_key(self.fingerprint, pre.token_ids, pre.position_ids, None, pre.kind)
         unit_ctx = pre_key
-        if n_cond and pre is not None:  # modules attend to the preamble and the neutral passages
-            cond_ids = safe_text(neutral_text(n_cond))
+        if n_cond and pre is not None:  # modules attend to the preamble and the conditioning after it
+            embeds, kind = None, "pml-conditioning"
+            if n_cond == LEARNED:  # the prefix's embeddings stand in for tokens (placeholders, never read)
+                prefix = shipped_prefix(self.fingerprint)
+                assert prefix is not None  # _conditioning refused the schema otherwise
+                cond_ids, embeds, kind = [0] * prefix.length, prefix.embeds, kind + "|" + prefix.spec
+            else:
+                cond_ids = safe_text(neutral_text(n_cond))
             P = len(pre.token_ids)
-            unit_ctx = unit_key(self.fingerprint, cond_ids, range(P, P + len(cond_ids)), pre_key,
-                                "pml-conditioning")
-            state.conditioning = (pre_key, cond_ids, unit_ctx)
+            unit_ctx = unit_key(self.fingerprint, cond_ids, range(P, P + len(cond_ids)), pre_key, kind)
+            state.conditioning = (pre_key, cond_ids, unit_ctx, embeds)
         units = list(layout.units.values())
         it = units
         if progress:
@@ -92,17 +103,26 @@ class SchemaRegistry:
 
     def _conditioning(self, layout: SchemaLayout) -> int:
         """How many neutral passages the schema's modules are encoded after (0: the paper's
-        semantics); refused by name where the states cannot be moved back or have no preamble."""
-        n = parse_conditioning(layout.conditioning)
+        semantics; :data:`LEARNED`: the learned prefix shipped for this model); refused by name
+        where the states cannot be moved back or have no preamble, or no prefix is shipped."""
+        learned = layout.conditioning == "learned"
+        n = LEARNED if learned else parse_conditioning(layout.conditioning)
         if not n:
             return 0
         why = None
+        adapter = self.encoder.adapter
         if self.encoding != "preamble":
             why = "it extends the preamble context, so it needs encoding='preamble'"
         elif layout.preamble is None:
             why = "the schema has no preamble (text before its first module) to extend"
         elif not self.movable:
             why = f"it needs states that can move (RoPE or ALiBi); {self.model_type}'s cannot"
+        elif learned and (adapter.family != "rope" or adapter.constrained):
+            why = (f"a learned prefix needs a RoPE model without sliding windows or soft-capping; {self.model_type} "
+                   f"has {adapter.constrained or adapter.family + ' positions'}")
+        elif learned and shipped_prefix(self.fingerprint) is None:
+            why = (f"no learned prefix is shipped for this model ({self.model_type}); use conditioning='neutral', "
+                   "or a CachedRAG index moved to its own prefix (`pcache-rag calibrate --learn`)")
         if why:
             raise PMLError(f"schema {layout.name!r}: conditioning={layout.conditioning!r} cannot be used: {why}", 1, 1)
         return n
@@ -113,7 +133,7 @@ class SchemaRegistry:
         if ctx is not None and cond is not None and ctx == cond[2]:
             assert layout.preamble is not None and cond[0] is not None
             pre = layout.units[layout.preamble]
-            context = enc.conditioned_context(cond[0], pre.token_ids, pre.position_ids, cond[2], cond[1])
+            context = enc.conditioned_context(cond[0], pre.token_ids, pre.position_ids, cond[2], cond[1], cond[3])
             kv = enc.encode_moved(u.token_ids, u.position_ids, context)
         else:
             context = None

@@ -57,7 +57,8 @@ from typing import Any
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
-from ..conditioning import LearnedPrefix, conditioning_kind, neutral_text, parse_conditioning, passage_spec
+from ..conditioning import (LearnedPrefix, conditioning_kind, neutral_text, parse_conditioning, passage_spec,
+                            shipped_prefix)
 from ..store import unit_key
 from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, DOCUMENTS_HEADER, MIN_CONDITIONED_TOKENS,
                     ROLES, PCacheFallbackWarning, Segment, split_marked, unmark)
@@ -74,6 +75,18 @@ def default_conditioning(pc: PromptCache) -> str:
                  "(this engine: encoding=%r, %s positions)", pc.encoding, pc.adapter.family)
         return "none"
     return DEFAULT_CONDITIONING
+
+
+def default_prefix(pc: PromptCache) -> LearnedPrefix | None:
+    """The learned prefix shipped for ``pc``'s model (:func:`~pcache_rag.conditioning.shipped_prefix`),
+    where this engine can encode after one (``encoding="preamble"``, RoPE, no sliding window or
+    soft-cap); else None, and the default is the neutral passage (:func:`default_conditioning`)."""
+    if pc.encoding != "preamble" or pc.adapter.family != "rope" or pc.adapter.constrained:
+        return None
+    prefix = shipped_prefix(pc.fingerprint)
+    if prefix is not None:
+        log.info("documents are encoded after the learned prefix shipped for this model (%s)", prefix.spec)
+    return prefix
 
 
 def check_prefix(pc: PromptCache, prefix: LearnedPrefix) -> None:
@@ -133,7 +146,9 @@ class Assembler:
     ``system_prompt`` is the preamble documents are encoded against (``encoding="preamble"``);
     :class:`pcache_rag.rag.CachedRAG` uses the same one, so both share states.
     ``conditioning`` adds neutral passages to that context (see the module docstring):
-    ``"default"`` is :func:`default_conditioning`, ``None`` or ``"none"`` the paper's semantics.
+    ``"default"`` is the learned prefix shipped for the model where there is one
+    (:func:`default_prefix`), else :func:`default_conditioning`; ``None`` or ``"none"`` is the
+    paper's semantics.
     ``conditioning_text`` conditions on that passage instead of the neutral ones (a passage
     drawn from the corpus, say); :attr:`conditioning` is then ``"passage:<hash of it>"``.
     ``prefix`` conditions on a learned prefix (:class:`~pcache_rag.conditioning.LearnedPrefix`,
@@ -143,8 +158,10 @@ class Assembler:
     def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default",
                  conditioning_text: str | None = None, prefix: LearnedPrefix | None = None):
         self.pc = pc
-        if conditioning == "default":
-            conditioning = default_conditioning(pc)
+        if conditioning == "default":  # the model's shipped learned prefix, else the neutral passage
+            if prefix is None and conditioning_text is None:
+                prefix = default_prefix(pc)
+            conditioning = None if prefix is not None else default_conditioning(pc)
         self.system_prompt = system_prompt
         self.base_ids = preamble_ids(pc, system_prompt)
         self.base_key = unit_key(pc.fingerprint, self.base_ids, range(len(self.base_ids)), None, "rag-preamble")

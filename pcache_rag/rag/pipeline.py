@@ -49,7 +49,7 @@ from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
 from .calibrate import answer_settings, resolve_calibration
 from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
-                        read_manifest, same_conditioning, write_manifest)
+                        prefix_path, read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
 from .lexical import BM25Index, check_retrieval, hybrid_search
 from .prompt import check_fits, chunk_text, question_ids
@@ -71,7 +71,16 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
     """The Assembler that encodes an index's chunks under ``conditioning`` (neutral passages, or a
     learned prefix read from the index's own file: ``pcache-rag calibrate --learn`` leaves it there)."""
     if conditioning == "default" or conditioning_kind(conditioning) != "learned":
-        return Assembler(pc, system_prompt, conditioning=conditioning)
+        asm = Assembler(pc, system_prompt, conditioning=conditioning)
+        if asm.prefix is not None:  # the model's shipped prefix: the index keeps its own copy, as for a learned one
+            path = prefix_path(index_dir, asm.prefix.spec)
+            try:
+                if not path.exists():
+                    asm.prefix.save(path)
+            except OSError:  # another process wrote it at the same moment
+                if not path.exists():
+                    raise
+        return asm
     return Assembler(pc, system_prompt, prefix=load_prefix(index_dir, conditioning))
 
 

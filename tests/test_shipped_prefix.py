@@ -1,0 +1,124 @@
+"""A learned prefix shipped for a model (``pcache_rag/data/learned``) is the RAG default for
+that model: the content-addressed path, a new CachedRAG index (which keeps its own copy) and a
+PML schema that opts in with ``conditioning="learned"``. Other models keep the neutral passage;
+a schema that asks for a prefix its model has none of is refused by name. Checked on a tiny
+random model with a prefix written to a temporary shipped folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from pcache_rag import PromptCache
+from pcache_rag import conditioning
+from pcache_rag.conditioning import LearnedPrefix, shipped_prefix
+from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler
+from pcache_rag.pml import PMLError, escape
+from pcache_rag.rag.learned import initial_embeds
+
+
+@pytest.fixture(scope="module")
+def pc(smol_tok):
+    model = tiny_model("llama", len(smol_tok), seed=5)
+    with torch.no_grad():  # sharper attention: what a module is encoded after shows in its states
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
+    return PromptCache(model, smol_tok, store_dtype=torch.float32)
+
+
+@pytest.fixture
+def shipped(pc, tmp_path, monkeypatch):
+    """A prefix shipped for ``pc``'s model (and one for another model beside it)."""
+    folder = tmp_path / "learned"
+    prefix = LearnedPrefix(initial_embeds(pc)[:20] + 0.05, {"fingerprint": pc.fingerprint, "model": "tiny"})
+    prefix.save(folder / "tiny.safetensors")
+    LearnedPrefix(initial_embeds(pc)[:20], {"fingerprint": "another model"}).save(folder / "another.safetensors")
+    monkeypatch.setattr(conditioning, "SHIPPED_DIR", folder)
+    return prefix
+
+
+DOC = "The north gate opens at dawn and the archive keeps its maps in the basement. " * 4
+
+
+def test_a_shipped_prefix_is_found_by_its_models_fingerprint(pc, shipped, tmp_path):
+    got = shipped_prefix(pc.fingerprint)
+    assert got is not None and got.spec == shipped.spec and torch.equal(got.embeds, shipped.embeds)
+    assert shipped_prefix("no such model") is None
+    assert shipped_prefix(pc.fingerprint, tmp_path / "empty") is None
+
+
+def test_the_default_conditioning_is_the_shipped_prefix(pc, shipped, smol_tok):
+    asm = Assembler(pc)
+    assert asm.prefix is not None and asm.conditioning == shipped.spec
+    explicit = Assembler(pc, prefix=shipped)
+    ids = asm.doc_ids(DOC)
+    assert len(ids) >= MIN_CONDITIONED_TOKENS
+    assert asm.key(ids) == explicit.key(ids)
+    assert torch.equal(asm.encode_ids(ids, store=False).values, explicit.encode_ids(ids, store=False).values)
+    neutral = Assembler(pc, conditioning="neutral")
+    assert neutral.key(ids) != asm.key(ids)
+    # asked for by name, a neutral passage or none is still what is used
+    assert Assembler(pc, conditioning="none").conditioning == "none" and neutral.conditioning == "neutral:1"
+    # another model (no prefix shipped for it) keeps the neutral passage
+    other = PromptCache(tiny_model("qwen2", len(smol_tok), seed=6), smol_tok, store_dtype=torch.float32)
+    assert Assembler(other).conditioning == "neutral:1"
+    # an engine that cannot encode after a prefix keeps the neutral passage (ALiBi: token ids only)
+    bloom = PromptCache(tiny_model("bloom", len(smol_tok)), smol_tok, store_dtype=torch.float32)
+    assert Assembler(bloom).conditioning == "neutral:1"
+
+
+def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, monkeypatch):
+    from pcache_rag.rag import CachedRAG
+    from pcache_rag.rag.index_dir import prefix_path
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "gate.txt").write_text(DOC + "The winter ledgers are on shelf four.")
+    rag = CachedRAG(tmp_path / "index", pc=pc, k=1, chunk_tokens=128)
+    rag.ingest([docs], progress=False)
+    assert rag.manifest["conditioning"] == shipped.spec == rag.asm.conditioning
+    assert prefix_path(rag.index_dir, shipped.spec).exists()
+    # the index reads its own copy: a later release that ships another prefix does not move it
+    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
+    again = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
+    assert again.asm.conditioning == shipped.spec
+    h = again.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
+    assert h.kv_key == Assembler(pc, prefix=shipped).key(again.chunk_ids(h.text, h.source))
+
+
+def _schema(pc, cond: str) -> str:
+    attr = f' conditioning="{cond}"' if cond else ""
+    return (f'<schema name="s{abs(hash(cond)) % 1000}"{attr}><system>Answer from the documents.</system>'
+            f'<module name="doc">{escape(DOC)}</module></schema>')
+
+
+def test_a_schema_opts_in_to_the_shipped_prefix(pc, shipped):
+    states = {}
+    for cond in ("", "neutral", "learned"):
+        schema = _schema(pc, cond)
+        pc.add_schema(schema)
+        name = schema.split('"')[1]
+        states[cond] = pc.store.get(pc.schemas.state(name).keys["doc"])
+        out = pc.generate(f'<prompt schema="{name}"><doc/><user>When does the gate open?</user></prompt>',
+                          max_new_tokens=2)
+        assert out.cached_tokens > 0
+    assert not torch.allclose(states["learned"].values, states["neutral"].values)
+    assert not torch.allclose(states["learned"].values, states[""].values)
+    # the module's values are those of one plain forward over the preamble, the prefix's
+    # embeddings and the module (values carry no position, so the move back leaves them alone)
+    layout = pc.schemas.state(_schema(pc, "learned").split('"')[1]).layout
+    pre, doc = list(layout.units[layout.preamble].token_ids), list(layout.units["doc"].token_ids)
+    emb = pc.model.get_input_embeddings()
+    with torch.no_grad():
+        x = torch.cat([emb(torch.tensor(pre)), shipped.embeds, emb(torch.tensor(doc))])[None]
+        out = pc.model(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=True)
+    want = torch.stack([layer.values[0, :, -len(doc):] for layer in out.past_key_values.layers])
+    assert torch.allclose(states["learned"].values, want, atol=1e-4)
+
+
+def test_a_schema_asking_for_a_prefix_its_model_lacks_is_refused(pc, tmp_path, monkeypatch):
+    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
+    with pytest.raises(PMLError, match="no learned prefix is shipped for this model"):
+        pc.add_schema(_schema(pc, "learned").replace('name="s', 'name="t'))
