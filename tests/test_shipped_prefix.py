@@ -122,3 +122,32 @@ def test_a_schema_asking_for_a_prefix_its_model_lacks_is_refused(pc, tmp_path, m
     monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
     with pytest.raises(PMLError, match="no learned prefix is shipped for this model"):
         pc.add_schema(_schema(pc, "learned").replace('name="s', 'name="t'))
+
+
+def test_components_answering_from_an_index_read_it_under_its_conditioning(pc, tmp_path):
+    """A LlamaIndex or LangChain component given ``index_dir`` encodes and reads documents under
+    the index's own conditioning (here a learned prefix the index was built with), so the
+    index's chunk states are hits, not documents encoded again under the engine's default."""
+    from langchain_pcache import ChatPromptCache
+    from llama_index.llms.pcache import PromptCacheLLM
+
+    from pcache_rag.frameworks import assembler_for, register_engine
+    from pcache_rag.rag import CachedRAG, index_conditioning
+
+    prefix = LearnedPrefix(initial_embeds(pc)[:16] - 0.05, {"fingerprint": pc.fingerprint})
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "gate.txt").write_text(DOC + "The winter ledgers are on shelf four.")
+    rag = CachedRAG(tmp_path / "index", pc=pc, k=1, chunk_tokens=128, conditioning=prefix)
+    rag.ingest([docs], progress=False)
+    h = rag.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
+    ids = rag.chunk_ids(h.text, h.source)
+    got = index_conditioning(tmp_path / "index")
+    assert isinstance(got, LearnedPrefix) and got.spec == prefix.spec
+    assert index_conditioning(tmp_path / "empty") == "default"
+    register_engine(pc, "tiny-shipped-test", str(tmp_path / "index" / "kv"))
+    llm = PromptCacheLLM(model="tiny-shipped-test", index_dir=str(tmp_path / "index"))
+    chat = ChatPromptCache(model_name="tiny-shipped-test", index_dir=str(tmp_path / "index"))
+    for asm in (llm.assembler, chat._asm()):
+        assert asm.conditioning == prefix.spec and asm.key(ids) == h.kv_key
+    assert assembler_for(pc).key(ids) != h.kv_key  # the engine's default would have missed

@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from ..conditioning import LearnedPrefix
 from ..engine import PromptCache
 from .marked import DEFAULT_SYSTEM, Assembler
 
 _ENGINES: dict[tuple[str, str], PromptCache] = {}
-_ASSEMBLERS: dict[tuple[int, str], Assembler] = {}
+_ASSEMBLERS: dict[tuple[int, str, str], Assembler] = {}
 _REG_LOCK = threading.Lock()
 
 
@@ -54,10 +55,20 @@ def _engine_key(model, cache_dir) -> tuple[str, str]:
     return name, str(Path(cache_dir or default_states_dir()).expanduser())
 
 
-def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM) -> Assembler:
-    """The :class:`Assembler` of ``pc`` for documents encoded against ``system_prompt`` (memoized)."""
+def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM,
+                  conditioning: str | LearnedPrefix = "default") -> Assembler:
+    """The :class:`Assembler` of ``pc`` for documents encoded against ``system_prompt`` under
+    ``conditioning`` (memoized): ``"default"`` (the model's shipped learned prefix, else the
+    neutral passage), a spec, or a :class:`~pcache_rag.conditioning.LearnedPrefix`. A component
+    answering from an index passes the index's own (:func:`pcache_rag.rag.index_conditioning`),
+    so its chunks' states are read as the index stored them."""
+    spec = conditioning.spec if isinstance(conditioning, LearnedPrefix) else str(conditioning)
     with _REG_LOCK:
-        a = _ASSEMBLERS.get((id(pc), system_prompt))
+        a = _ASSEMBLERS.get((id(pc), system_prompt, spec))
         if a is None or a.pc is not pc:
-            a = _ASSEMBLERS[(id(pc), system_prompt)] = Assembler(pc, system_prompt)
+            if isinstance(conditioning, LearnedPrefix):
+                a = Assembler(pc, system_prompt, prefix=conditioning)
+            else:
+                a = Assembler(pc, system_prompt, conditioning=conditioning)
+            _ASSEMBLERS[(id(pc), system_prompt, spec)] = a
         return a

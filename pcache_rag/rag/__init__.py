@@ -4,8 +4,8 @@ from .chunking import Chunk, SkipFile, find_files, scan, split_tokens
 from .embed import MiniLMEmbedder
 from .index import IndexDamagedError
 from .pipeline import (DEFAULT_SYSTEM, CachedRAG, IngestReport, IngestTooLargeError, ModuleHandle, RAGAnswer,
-                       VerifyReport, check_index_dir)
+                       VerifyReport, check_index_dir, index_conditioning)
 
 __all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "VerifyReport", "MiniLMEmbedder", "Chunk",
            "find_files", "scan", "split_tokens", "SkipFile", "DEFAULT_SYSTEM", "IndexDamagedError",
-           "IngestTooLargeError", "check_index_dir"]
+           "IngestTooLargeError", "check_index_dir", "index_conditioning"]

@@ -56,7 +56,7 @@ from .prompt import check_fits, chunk_text, question_ids
 from .types import IngestReport, ModuleHandle, RAGAnswer, VerifyReport
 
 __all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "VerifyReport", "IngestTooLargeError",
-           "DEFAULT_SYSTEM", "MANIFEST", "check_index_dir", "question_ids"]
+           "DEFAULT_SYSTEM", "MANIFEST", "check_index_dir", "question_ids", "index_conditioning"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,17 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
                     raise
         return asm
     return Assembler(pc, system_prompt, prefix=load_prefix(index_dir, conditioning))
+
+
+def index_conditioning(index_dir: str | Path) -> str | LearnedPrefix:
+    """The conditioning an index's chunks are encoded under, for a framework component that
+    answers from it (:func:`pcache_rag.frameworks.assembler_for`): its learned prefix (read from
+    the index's own file), its spec, ``"none"`` for an index from before conditioning, or
+    ``"default"`` for one with nothing in it yet."""
+    index_dir = Path(index_dir).expanduser()
+    m = read_manifest(index_dir)
+    cond = m.get("conditioning") or ("none" if m.get("chunks") else "default")
+    return load_prefix(index_dir, cond) if cond != "default" and conditioning_kind(cond) == "learned" else cond
 
 
 def follow_conditioning(asm: Assembler, index_dir: Path, manifest: dict) -> Assembler:

@@ -113,7 +113,12 @@ class _EngineConfig:
             model, cache_dir = self._engine_key()
             from pcache_rag.frameworks import assembler_for, shared_engine
 
-            self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble)
+            conditioning: Any = "default"
+            if self.index_dir:  # the index's own: its chunks' states are then read as it stored them
+                from pcache_rag.rag import index_conditioning
+
+                conditioning = index_conditioning(self.index_dir)
+            self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble, conditioning)
         return self._assembler
 
     def get_token_ids(self, text: str) -> list[int]:

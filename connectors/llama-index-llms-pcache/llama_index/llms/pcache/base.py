@@ -66,6 +66,16 @@ DEFAULT_QA_TEMPLATE = ChatPromptTemplate.from_messages([
     ("system", DEFAULT_SYSTEM), ("user", "Documents:\n\n{context_str}\n\nQuestion: {query_str}")])
 
 
+def _conditioning(index_dir: str | None) -> Any:
+    """The conditioning documents are encoded under: an index's own (its chunks' states are then
+    read as it stored them), else the engine's default."""
+    if not index_dir:
+        return "default"
+    from pcache_rag.rag import index_conditioning
+
+    return index_conditioning(index_dir)
+
+
 def _engine_key(model: str, index_dir: str | None, cache_dir: str | None) -> tuple[str, str | None]:
     if index_dir:
         return model, str(Path(index_dir).expanduser() / "kv")
@@ -117,7 +127,7 @@ class PromptCacheLLM(CustomLLM):
             from pcache_rag.frameworks import assembler_for, shared_engine
 
             self._assembler = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
-                                            self.document_preamble)
+                                            self.document_preamble, _conditioning(self.index_dir))
         return self._assembler
 
     @property
@@ -288,7 +298,7 @@ class PromptCacheEncoder(TransformComponent):
         from pcache_rag.frameworks import assembler_for, shared_engine
 
         asm = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
-                            self.document_preamble)
+                            self.document_preamble, _conditioning(self.index_dir))
         for n in nodes:  # the key stays out of the text the LLM reads, so the key never changes it
             for keys in (n.excluded_llm_metadata_keys, n.excluded_embed_metadata_keys):
                 if KEY not in keys:
