@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pcache_rag import PromptCache
+from pcache_rag.conditioning import shipped_prefix
 from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
 
 pytestmark = pytest.mark.real_model
@@ -57,7 +58,9 @@ def test_conditioning_is_part_of_every_key(smol):
     pc = PromptCache(smol.model, smol.tokenizer)
     asms = [Assembler(pc, conditioning=None), Assembler(pc, conditioning="neutral"),
             Assembler(pc, conditioning="neutral:2")]
-    assert Assembler(pc).conditioning == "neutral:1", "RAG documents are conditioned by default (README)"
+    shipped = shipped_prefix(pc.fingerprint)
+    assert shipped is not None and Assembler(pc).conditioning == shipped.spec, \
+        "the embedded model's RAG documents are conditioned by its shipped prefix by default (README)"
     ids = asms[0].doc_ids(LONG)
     assert len(ids) >= MIN_CONDITIONED_TOKENS
     keys = {a.key(ids) for a in asms}

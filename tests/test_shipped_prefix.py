@@ -6,6 +6,8 @@ random model with a prefix written to a temporary shipped folder."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -69,7 +71,7 @@ def test_the_default_conditioning_is_the_shipped_prefix(pc, shipped, smol_tok):
     assert Assembler(bloom).conditioning == "neutral:1"
 
 
-def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, monkeypatch):
+def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, monkeypatch, caplog):
     from pcache_rag.rag import CachedRAG
     from pcache_rag.rag.index_dir import prefix_path
 
@@ -81,11 +83,32 @@ def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, m
     assert rag.manifest["conditioning"] == shipped.spec == rag.asm.conditioning
     assert prefix_path(rag.index_dir, shipped.spec).exists()
     # the index reads its own copy: a later release that ships another prefix does not move it
+    shipped_dir = conditioning.SHIPPED_DIR
     monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
     again = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
     assert again.asm.conditioning == shipped.spec
     h = again.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
     assert h.kv_key == Assembler(pc, prefix=shipped).key(again.chunk_ids(h.text, h.source))
+    # a damaged or missing copy of a shipped prefix is restored from the shipped file, with a warning
+    monkeypatch.setattr(conditioning, "SHIPPED_DIR", shipped_dir)
+    copy = prefix_path(rag.index_dir, shipped.spec)
+    for damage in ("flip", "delete"):
+        if damage == "flip":
+            data = bytearray(copy.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            copy.write_bytes(bytes(data))
+        else:
+            copy.unlink()
+        with caplog.at_level(logging.WARNING, logger="pcache_rag.rag.pipeline"):
+            back = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
+        assert back.asm.conditioning == shipped.spec and "restored from the prefix shipped" in caplog.text
+        assert LearnedPrefix.load(copy).spec == shipped.spec
+        caplog.clear()
+    # a prefix that was not shipped stays a clear error when its copy is gone
+    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
+    copy.unlink()
+    with pytest.raises(FileNotFoundError, match="its prefix"):
+        CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
 
 
 def _schema(pc, cond: str) -> str:

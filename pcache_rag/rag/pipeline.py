@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from ..conditioning import LearnedPrefix, conditioning_kind
+from ..conditioning import LearnedPrefix, conditioning_kind, shipped_prefix
 from ..frameworks import DEFAULT_SYSTEM, Assembler
 from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
@@ -81,7 +81,16 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
                 if not path.exists():
                     raise
         return asm
-    return Assembler(pc, system_prompt, prefix=load_prefix(index_dir, conditioning))
+    try:
+        prefix = load_prefix(index_dir, conditioning)
+    except (OSError, ValueError) as e:  # missing or damaged: the shipped prefix of the same spec restores it
+        shipped = shipped_prefix(pc.fingerprint)
+        if shipped is None or shipped.spec != conditioning:
+            raise
+        log.warning("%s; restored from the prefix shipped for this model", e)
+        prefix = shipped
+        prefix.save(prefix_path(index_dir, conditioning))
+    return Assembler(pc, system_prompt, prefix=prefix)
 
 
 def index_conditioning(index_dir: str | Path) -> str | LearnedPrefix:
