@@ -14,6 +14,8 @@ import pytest
 import torch
 from helpers import RedisServer, free_port, tiny_model
 
+from pcache_rag.conditioning import shipped_prefix
+
 redis = pytest.importorskip("redis")
 
 DOCS = {
@@ -78,8 +80,9 @@ def test_process_b_answers_from_what_a_encoded(server, smol, tmp_path):
     docs = _docs(tmp_path)
     a = _machine(smol, tmp_path / "a", server.url)
     a.ingest([docs], progress=False)
-    assert a.asm.conditioning == "neutral:1"  # the RAG default: the neutral passage's states are stored too
-    assert a.pc.store.remote.stats().puts == len(DOCS) + 2, "chunks, the preamble and the passage written through"
+    # the RAG default (the embedded model's shipped prefix): the prefix's states are stored too
+    assert a.asm.conditioning == shipped_prefix(a.pc.fingerprint).spec
+    assert a.pc.store.remote.stats().puts == len(DOCS) + 2, "chunks, the preamble and the prefix written through"
 
     b = _machine(smol, tmp_path / "b", server.url, from_index=a.index_dir)
     encodes = _count_encodes(b.pc)
