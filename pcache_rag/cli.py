@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
         x.add_argument("--conditioning", default=None, metavar="SPEC",
                        help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:N (N up to 4) "
-                            "(default: the index's own; for a new index, the RAG default: the learned prefix shipped "
+                            "(default: the index's own; for a new index, the RAG default: the learned prefix installed "
                             "for the model where there is one, else neutral)")
         x.add_argument("--retrieval", choices=("hybrid", "dense"), default="hybrid",
                        help="hybrid: BM25 fused with the dense ranking (reciprocal rank fusion); dense: MiniLM alone")

@@ -15,15 +15,18 @@ the question, as they do inside a full prefill (``pcache-rag calibrate --learn``
 :mod:`pcache_rag.rag.learned`). It starts from the neutral passage's own embeddings and
 is stored as safetensors with what it was trained for.
 
-**Shipped prefixes** (``pcache_rag/data/learned/*.safetensors``): a prefix learned once for an
-embedded model. It is the RAG default wherever its model fingerprint equals the engine's
-(:func:`shipped_prefix`); other models keep the neutral passage.
+**Installed prefixes** (``pcache_rag/data/learned/*.safetensors``, or
+``$PCACHE_RAG_HOME/learned/``): a prefix learned once for a model. It is the RAG default
+wherever its model fingerprint equals the engine's (:func:`shipped_prefix`); other models keep
+the neutral passage. Tensor files stay out of git: the embedded model's is learned on the
+machine (README, "Learned conditioning").
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,14 +146,17 @@ def shipped_prefix(fingerprint: str, folder: str | Path | None = None) -> Learne
     default :data:`SHIPPED_DIR`), or None. Only the files' metadata is read until one matches;
     a file that is not a prefix is refused by name (it was shipped broken). Read once per
     process and folder."""
-    return _shipped(fingerprint, str(folder or SHIPPED_DIR))
+    if folder is not None:
+        return _shipped(fingerprint, (str(folder),))
+    home = Path(os.environ.get("PCACHE_RAG_HOME") or Path.home() / ".cache" / "pcache-rag")
+    return _shipped(fingerprint, (str(SHIPPED_DIR), str(home / "learned")))
 
 
 @functools.lru_cache(maxsize=16)
-def _shipped(fingerprint: str, folder: str) -> LearnedPrefix | None:
+def _shipped(fingerprint: str, folders: tuple[str, ...]) -> LearnedPrefix | None:
     from safetensors import safe_open
 
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in [p for folder in folders for p in sorted(Path(folder).glob("*.safetensors"))]:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:

@@ -174,13 +174,3 @@ def test_components_answering_from_an_index_read_it_under_its_conditioning(pc, t
     for asm in (llm.assembler, chat._asm()):
         assert asm.conditioning == prefix.spec and asm.key(ids) == h.kv_key
     assert assembler_for(pc).key(ids) != h.kv_key  # the engine's default would have missed
-
-
-def test_the_embedded_model_has_a_shipped_prefix_and_uses_it_by_default(smol):
-    """The repository ships the prefix learned for the embedded SmolLM2 (its fingerprint must
-    match on every machine, or the default would quietly fall back to the neutral passage)."""
-    p = shipped_prefix(smol.fingerprint)
-    assert p is not None, "no shipped prefix matches the embedded model's fingerprint"
-    hidden = smol.model.get_input_embeddings().weight.shape[1]
-    assert p.embeds.shape == (p.length, hidden) and p.meta.get("steps") == "96"
-    assert Assembler(smol).conditioning == p.spec
