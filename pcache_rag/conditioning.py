@@ -15,18 +15,18 @@ the question, as they do inside a full prefill (``pcache-rag calibrate --learn``
 :mod:`pcache_rag.rag.learned`). It starts from the neutral passage's own embeddings and
 is stored as safetensors with what it was trained for.
 
-**Installed prefixes** (``pcache_rag/data/learned/*.safetensors``, or
-``$PCACHE_RAG_HOME/learned/``): a prefix learned once for a model. It is the RAG default
-wherever its model fingerprint equals the engine's (:func:`shipped_prefix`); other models keep
-the neutral passage. Tensor files stay out of git: the embedded model's is learned on the
-machine (README, "Learned conditioning").
+**Installed prefixes** (``$PCACHE_RAG_HOME/learned/*.safetensors``, or bundled by a
+distribution in ``pcache_rag/data/learned/``): a prefix learned once for a model
+(``pcache-rag install-prefix``). It is the RAG default wherever its model fingerprint equals
+the engine's (:func:`installed_prefix`); other models keep the neutral passage. Tensor files
+stay out of git, so the embedded model's prefix is learned on the machine, once.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,8 +34,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: the connectors import this module without it
     import torch
 
-#: where shipped prefixes live (one file per embedded model; matched by model fingerprint)
-SHIPPED_DIR = Path(__file__).parent / "data" / "learned"
+from .fsutil import cache_home
+
+log = logging.getLogger(__name__)
+
+#: where a distribution may bundle prefixes (one file per model; matched by model fingerprint)
+PACKAGED_DIR = Path(__file__).parent / "data" / "learned"
 #: the neutral passages of conditioned encoding, in order
 NEUTRAL_PASSAGES = ("neutral.txt", "neutral2.txt", "neutral3.txt", "neutral4.txt")
 #: what follows each passage (a blank line, as after a document)
@@ -141,28 +145,43 @@ class LearnedPrefix:
         return cls(embeds.float(), meta)
 
 
-def shipped_prefix(fingerprint: str, folder: str | Path | None = None) -> LearnedPrefix | None:
-    """The shipped learned prefix trained for the model of ``fingerprint`` (in ``folder``,
-    default :data:`SHIPPED_DIR`), or None. Only the files' metadata is read until one matches;
-    a file that is not a prefix is refused by name (it was shipped broken). Read once per
-    process and folder."""
-    if folder is not None:
-        return _shipped(fingerprint, (str(folder),))
-    home = Path(os.environ.get("PCACHE_RAG_HOME") or Path.home() / ".cache" / "pcache-rag")
-    return _shipped(fingerprint, (str(SHIPPED_DIR), str(home / "learned")))
+def installed_dir() -> Path:
+    """Where ``pcache-rag install-prefix`` writes a model's learned prefix
+    (``$PCACHE_RAG_HOME/learned``)."""
+    return cache_home() / "learned"
+
+
+def install(prefix: LearnedPrefix, path: str | Path) -> Path:
+    """Write ``prefix`` to ``path`` (atomically) where :func:`installed_prefix` finds it, and
+    forget what this process had read, so it is the default here from now on too."""
+    out = prefix.save(path)
+    _installed.cache_clear()
+    return out
+
+
+def installed_prefix(fingerprint: str, folder: str | Path | None = None) -> LearnedPrefix | None:
+    """The learned prefix installed for the model of ``fingerprint`` (in ``folder``; by default
+    :func:`installed_dir`, then :data:`PACKAGED_DIR`), or None. Only the files' metadata is
+    read until one matches; a file that cannot be read is skipped with a warning that names
+    it. Read once per process and folder."""
+    folders = (str(folder),) if folder is not None else (str(installed_dir()), str(PACKAGED_DIR))
+    return _installed(fingerprint, folders)
 
 
 @functools.lru_cache(maxsize=16)
-def _shipped(fingerprint: str, folders: tuple[str, ...]) -> LearnedPrefix | None:
-    from safetensors import safe_open
+def _installed(fingerprint: str, folders: tuple[str, ...]) -> LearnedPrefix | None:
+    from safetensors import SafetensorError, safe_open
 
     for path in [p for folder in folders for p in sorted(Path(folder).glob("*.safetensors"))]:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:
-            return LearnedPrefix.load(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:
+                return LearnedPrefix.load(path)
+        except (OSError, ValueError, SafetensorError) as e:  # a damaged file must not stop every default
+            log.warning("skipping %s: not a readable learned prefix (%s)", path, e)
     return None
 
 
-__all__ = ["NEUTRAL_PASSAGES", "SHIPPED_DIR", "LearnedPrefix", "conditioning_kind", "neutral_text",
-           "parse_conditioning", "passage_spec", "shipped_prefix"]
+__all__ = ["NEUTRAL_PASSAGES", "PACKAGED_DIR", "LearnedPrefix", "conditioning_kind", "install",
+           "installed_dir", "installed_prefix", "neutral_text", "parse_conditioning", "passage_spec"]

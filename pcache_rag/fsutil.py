@@ -1,9 +1,17 @@
-"""Small helpers for paths: moving damaged data aside, and showing names safely in a terminal."""
+"""Small helpers for paths: the user data folder, moving damaged data aside, and showing names
+safely in a terminal (torch-free: the connectors and the conditioning specs import it)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+
+def cache_home() -> Path:
+    """Where pcache-rag keeps converted models, installed learned prefixes and other user data
+    (``$PCACHE_RAG_HOME``, else ``~/.cache/pcache-rag``)."""
+    return Path(os.environ.get("PCACHE_RAG_HOME") or Path.home() / ".cache" / "pcache-rag")
 
 
 def quarantine(path: str | Path) -> Path:

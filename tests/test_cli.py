@@ -115,7 +115,7 @@ def test_calibrate_learn_moves_the_index_and_ask_says_so(tmp_path, smol_dir, cap
         (docs / f"n{i}.txt").write_text(f"Ledger {i}. " + "The archive files each shipment record by date and office. " * 9)
     idx = str(tmp_path / "idx")
     base = ["--index", idx, "--model", str(smol_dir)]
-    # from the neutral passage (the embedded model's default is its shipped prefix)
+    # from the neutral passage (the embedded model's default is its installed prefix, where one is installed)
     assert main(["ingest", str(docs), *base, "--chunk-tokens", "96", "--conditioning", "neutral"]) == 0
     capsys.readouterr()
     assert main(["calibrate", *base, "--learn", "--prompts", "2", "--steps", "1", "--k", "2", "--dry-run"]) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pcache_rag import PromptCache
-from pcache_rag.conditioning import shipped_prefix
+from pcache_rag.conditioning import installed_prefix
 from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
 
 pytestmark = pytest.mark.real_model
@@ -58,8 +58,8 @@ def test_conditioning_is_part_of_every_key(smol):
     pc = PromptCache(smol.model, smol.tokenizer)
     asms = [Assembler(pc, conditioning=None), Assembler(pc, conditioning="neutral"),
             Assembler(pc, conditioning="neutral:2")]
-    shipped = shipped_prefix(pc.fingerprint)  # one learned on this machine ($PCACHE_RAG_HOME/learned), if any
-    want = shipped.spec if shipped is not None else "neutral:1"
+    installed = installed_prefix(pc.fingerprint)  # one learned on this machine ($PCACHE_RAG_HOME/learned), if any
+    want = installed.spec if installed is not None else "neutral:1"
     assert Assembler(pc).conditioning == want, "RAG documents are conditioned by default (README)"
     ids = asms[0].doc_ids(LONG)
     assert len(ids) >= MIN_CONDITIONED_TOKENS

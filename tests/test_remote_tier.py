@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import RedisServer, free_port, tiny_model
 
-from pcache_rag.conditioning import shipped_prefix
+from pcache_rag.conditioning import installed_prefix
 
 redis = pytest.importorskip("redis")
 
@@ -81,8 +81,8 @@ def test_process_b_answers_from_what_a_encoded(server, smol, tmp_path):
     a = _machine(smol, tmp_path / "a", server.url)
     a.ingest([docs], progress=False)
     # the RAG default (a learned prefix installed for the model, else the neutral passage): its states are stored too
-    shipped = shipped_prefix(a.pc.fingerprint)
-    assert a.asm.conditioning == (shipped.spec if shipped is not None else "neutral:1")
+    installed = installed_prefix(a.pc.fingerprint)
+    assert a.asm.conditioning == (installed.spec if installed is not None else "neutral:1")
     assert a.pc.store.remote.stats().puts == len(DOCS) + 2, "chunks, the preamble and the conditioning written through"
 
     b = _machine(smol, tmp_path / "b", server.url, from_index=a.index_dir)

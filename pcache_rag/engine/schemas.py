@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..conditioning import neutral_text, parse_conditioning, shipped_prefix
+from ..conditioning import installed_prefix, neutral_text, parse_conditioning
 from ..kv import ModuleKV
 from ..pml import PMLError, SchemaLayout, layout_schema, parse_prompt, plan_prompt
 from ..pml.layout import PromptPlan, Unit
@@ -24,7 +24,7 @@ from .types import Encoding, SchemaReport
 
 log = logging.getLogger(__name__)
 
-#: ``_conditioning``'s answer for ``<schema conditioning="learned">``: the model's shipped prefix
+#: ``_conditioning``'s answer for ``<schema conditioning="learned">``: the model's installed prefix
 LEARNED = -1
 
 
@@ -74,7 +74,7 @@ class SchemaRegistry:
         if n_cond and pre is not None:  # modules attend to the preamble and the conditioning after it
             embeds, kind = None, "pml-conditioning"
             if n_cond == LEARNED:  # the prefix's embeddings stand in for tokens (placeholders, never read)
-                prefix = shipped_prefix(self.fingerprint)
+                prefix = installed_prefix(self.fingerprint)
                 assert prefix is not None  # _conditioning refused the schema otherwise
                 cond_ids, embeds, kind = [0] * prefix.length, prefix.embeds, kind + "|" + prefix.spec
             else:
@@ -103,8 +103,8 @@ class SchemaRegistry:
 
     def _conditioning(self, layout: SchemaLayout) -> int:
         """How many neutral passages the schema's modules are encoded after (0: the paper's
-        semantics; :data:`LEARNED`: the learned prefix shipped for this model); refused by name
-        where the states cannot be moved back or have no preamble, or no prefix is shipped."""
+        semantics; :data:`LEARNED`: the learned prefix installed for this model); refused by name
+        where the states cannot be moved back or have no preamble, or no prefix is installed."""
         learned = layout.conditioning == "learned"
         n = LEARNED if learned else parse_conditioning(layout.conditioning)
         if not n:
@@ -120,9 +120,10 @@ class SchemaRegistry:
         elif learned and (adapter.family != "rope" or adapter.constrained):
             why = (f"a learned prefix needs a RoPE model without sliding windows or soft-capping; {self.model_type} "
                    f"has {adapter.constrained or adapter.family + ' positions'}")
-        elif learned and shipped_prefix(self.fingerprint) is None:
-            why = (f"no learned prefix is shipped for this model ({self.model_type}); use conditioning='neutral', "
-                   "or a CachedRAG index moved to its own prefix (`pcache-rag calibrate --learn`)")
+        elif learned and installed_prefix(self.fingerprint) is None:
+            why = (f"no learned prefix is installed for this model ({self.model_type}): install one with "
+                   "`pcache-rag install-prefix`, use conditioning='neutral', or a CachedRAG index moved to its own "
+                   "prefix (`pcache-rag calibrate --learn`)")
         if why:
             raise PMLError(f"schema {layout.name!r}: conditioning={layout.conditioning!r} cannot be used: {why}", 1, 1)
         return n

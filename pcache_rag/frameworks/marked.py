@@ -57,8 +57,8 @@ from typing import Any
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
-from ..conditioning import (LearnedPrefix, conditioning_kind, neutral_text, parse_conditioning, passage_spec,
-                            shipped_prefix)
+from ..conditioning import (LearnedPrefix, conditioning_kind, installed_prefix, neutral_text, parse_conditioning,
+                            passage_spec)
 from ..store import unit_key
 from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, DOCUMENTS_HEADER, MIN_CONDITIONED_TOKENS,
                     ROLES, PCacheFallbackWarning, Segment, split_marked, unmark)
@@ -77,15 +77,21 @@ def default_conditioning(pc: PromptCache) -> str:
     return DEFAULT_CONDITIONING
 
 
+def takes_prefix(pc: PromptCache) -> bool:
+    """Whether ``pc`` can encode documents after a learned prefix: ``encoding="preamble"``, RoPE,
+    no sliding window or soft-cap (ALiBi's and learned positions' adapters feed token ids only)."""
+    return pc.encoding == "preamble" and pc.adapter.family == "rope" and not pc.adapter.constrained
+
+
 def default_prefix(pc: PromptCache) -> LearnedPrefix | None:
-    """The learned prefix shipped for ``pc``'s model (:func:`~pcache_rag.conditioning.shipped_prefix`),
+    """The learned prefix installed for ``pc``'s model (:func:`~pcache_rag.conditioning.installed_prefix`),
     where this engine can encode after one (``encoding="preamble"``, RoPE, no sliding window or
     soft-cap); else None, and the default is the neutral passage (:func:`default_conditioning`)."""
-    if pc.encoding != "preamble" or pc.adapter.family != "rope" or pc.adapter.constrained:
+    if not takes_prefix(pc):
         return None
-    prefix = shipped_prefix(pc.fingerprint)
+    prefix = installed_prefix(pc.fingerprint)
     if prefix is not None:
-        log.info("documents are encoded after the learned prefix shipped for this model (%s)", prefix.spec)
+        log.info("documents are encoded after the learned prefix installed for this model (%s)", prefix.spec)
     return prefix
 
 
@@ -146,7 +152,7 @@ class Assembler:
     ``system_prompt`` is the preamble documents are encoded against (``encoding="preamble"``);
     :class:`pcache_rag.rag.CachedRAG` uses the same one, so both share states.
     ``conditioning`` adds neutral passages to that context (see the module docstring):
-    ``"default"`` is the learned prefix shipped for the model where there is one
+    ``"default"`` is the learned prefix installed for the model where there is one
     (:func:`default_prefix`), else :func:`default_conditioning`; ``None`` or ``"none"`` is the
     paper's semantics.
     ``conditioning_text`` conditions on that passage instead of the neutral ones (a passage
@@ -158,7 +164,7 @@ class Assembler:
     def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default",
                  conditioning_text: str | None = None, prefix: LearnedPrefix | None = None):
         self.pc = pc
-        if conditioning == "default":  # the model's shipped learned prefix, else the neutral passage
+        if conditioning == "default":  # the model's installed learned prefix, else the neutral passage
             if prefix is None and conditioning_text is None:
                 prefix = default_prefix(pc)
             conditioning = None if prefix is not None else default_conditioning(pc)

@@ -58,7 +58,7 @@ def _engine_key(model, cache_dir) -> tuple[str, str]:
 def assembler_for(pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM,
                   conditioning: str | LearnedPrefix = "default") -> Assembler:
     """The :class:`Assembler` of ``pc`` for documents encoded against ``system_prompt`` under
-    ``conditioning`` (memoized): ``"default"`` (the model's shipped learned prefix, else the
+    ``conditioning`` (memoized): ``"default"`` (the model's installed learned prefix, else the
     neutral passage), a spec, or a :class:`~pcache_rag.conditioning.LearnedPrefix`. A component
     answering from an index passes the index's own (:func:`pcache_rag.rag.index_conditioning`),
     so its chunks' states are read as the index stored them."""

@@ -608,7 +608,7 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
 
 
 def learn_eval_prefix(syn: _Synthetic, tok, doc_tokens: int = 400, k: int = 4, train: int = 48, val: int = 16,
-                      steps: int = 96, seed: int = 0, log=print):
+                      steps: int = 96, seed: int = 0, log=print, progress: bool = False):
     """``cond:learned``'s prefix, learned as ``pcache-rag calibrate --learn`` learns one for an index
     (:mod:`pcache_rag.rag.learned`): label-free, from prompts of ``k`` filler passages at
     :data:`LEARN_PASSAGE` (no question's documents) and a line of one to complete, whose own
@@ -626,10 +626,41 @@ def learn_eval_prefix(syn: _Synthetic, tok, doc_tokens: int = 400, k: int = 4, t
         question, answer = cloze_question(docs[r.randrange(k)], r)
         prompts.append(Prompt([syn.doc_ids(d) for d in docs], syn.q_ids(question), safe.text(answer) if answer else []))
     rep = learn_prefix(syn.pcs["preamble"], syn.pre_ids, prompts[val:], prompts[:val], steps=steps, seed=seed,
-                       progress=False, log_fn=log, meta={"learned_on": f"eval filler passages at {LEARN_PASSAGE}"})
+                       progress=progress, log_fn=log, meta={"learned_on": f"eval filler passages at {LEARN_PASSAGE}"})
     log(f"cond:learned: {rep.prefix.spec}, validation KL {rep.kl_init:.4f} (neutral) -> {rep.kl_learned:.4f} in "
         f"{rep.seconds:.0f} s ({rep.steps} steps, {rep.train_prompts} prompts to learn on)")
     return rep
+
+
+def install_prefix(model=None, path: str | Path | None = None, steps: int = 96, seed: int = 0, force: bool = False,
+                   log=print, progress: bool = True, train: int = 48, val: int = 16):
+    """Learn ``model``'s conditioning prefix by ``cond:learned``'s label-free procedure
+    (:func:`learn_eval_prefix`) and install it where it becomes the model's RAG default
+    (:func:`pcache_rag.conditioning.installed_dir`, ``<model name>.safetensors``; or ``path``).
+    A prefix already installed for the model is kept unless ``force``. Returns
+    ``(path, LearnReport or None)``: None when nothing was learned (one was installed already)."""
+    import torch
+
+    from ..conditioning import install, installed_dir, installed_prefix
+    from ..default_model import DEFAULT_NAME, load_model
+
+    name = Path(str(model)).name.removesuffix(".gguf") if model else DEFAULT_NAME
+    target = Path(path).expanduser() if path else installed_dir() / f"{name}.safetensors"
+    torch.manual_seed(seed)
+    m, tok = load_model(model)
+    syn = _Synthetic(m, tok)
+    have = installed_prefix(syn.pcs["preamble"].fingerprint)
+    if have is not None and not force:
+        log(f"{have.spec} is already installed for {name}: it is the RAG default (--force learns it again)")
+        return target, None
+    rep = learn_eval_prefix(syn, tok, train=train, val=val, steps=steps, seed=seed, log=log, progress=progress)
+    if not rep.improved:
+        raise RuntimeError(f"the learned prefix measured no lower than the neutral passage on {name} "
+                           f"(validation KL {rep.kl_init:.4f}); nothing was installed")
+    install(rep.prefix, target)
+    log(f"installed {rep.prefix.spec} at {target}: the RAG default for {name} from now on (a new index, "
+        "the connectors' documents, <schema conditioning=\"learned\">); existing indexes keep their conditioning")
+    return target, rep
 
 
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from ..conditioning import LearnedPrefix, conditioning_kind, shipped_prefix
+from ..conditioning import LearnedPrefix, conditioning_kind, installed_prefix
 from ..frameworks import DEFAULT_SYSTEM, Assembler
 from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
@@ -72,7 +72,7 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
     learned prefix read from the index's own file: ``pcache-rag calibrate --learn`` leaves it there)."""
     if conditioning == "default" or conditioning_kind(conditioning) != "learned":
         asm = Assembler(pc, system_prompt, conditioning=conditioning)
-        if asm.prefix is not None:  # the model's shipped prefix: the index keeps its own copy, as for a learned one
+        if asm.prefix is not None:  # the model's installed prefix: the index keeps its own copy, as for a learned one
             path = prefix_path(index_dir, asm.prefix.spec)
             try:
                 if not path.exists():
@@ -83,12 +83,12 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
         return asm
     try:
         prefix = load_prefix(index_dir, conditioning)
-    except (OSError, ValueError) as e:  # missing or damaged: the shipped prefix of the same spec restores it
-        shipped = shipped_prefix(pc.fingerprint)
-        if shipped is None or shipped.spec != conditioning:
+    except (OSError, ValueError) as e:  # missing or damaged: the installed prefix of the same spec restores it
+        installed = installed_prefix(pc.fingerprint)
+        if installed is None or installed.spec != conditioning:
             raise
-        log.warning("%s; restored from the prefix shipped for this model", e)
-        prefix = shipped
+        log.warning("%s; restored from the prefix installed for this model", e)
+        prefix = installed
         prefix.save(prefix_path(index_dir, conditioning))
     return Assembler(pc, system_prompt, prefix=prefix)
 

@@ -1,12 +1,14 @@
-"""A learned prefix shipped for a model (``pcache_rag/data/learned``) is the RAG default for
-that model: the content-addressed path, a new CachedRAG index (which keeps its own copy) and a
+"""A learned prefix installed for a model (``$PCACHE_RAG_HOME/learned``, where
+``pcache-rag install-prefix`` writes it, or bundled in ``pcache_rag/data/learned``) is the RAG
+default for that model: the content-addressed path, a new CachedRAG index (which keeps its own copy) and a
 PML schema that opts in with ``conditioning="learned"``. Other models keep the neutral passage;
 a schema that asks for a prefix its model has none of is refused by name. Checked on a tiny
-random model with a prefix written to a temporary shipped folder."""
+random model with a prefix written to a temporary ``$PCACHE_RAG_HOME``."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ import torch
 from helpers import tiny_model
 from pcache_rag import PromptCache
 from pcache_rag import conditioning
-from pcache_rag.conditioning import LearnedPrefix, shipped_prefix
+from pcache_rag.conditioning import LearnedPrefix, installed_dir, installed_prefix
 from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler
 from pcache_rag.pml import PMLError, escape
 from pcache_rag.rag.learned import initial_embeds
@@ -30,31 +32,51 @@ def pc(smol_tok):
     return PromptCache(model, smol_tok, store_dtype=torch.float32)
 
 
+def _nothing_installed(monkeypatch, tmp_path):
+    monkeypatch.setenv("PCACHE_RAG_HOME", str(tmp_path / "a home with nothing installed"))
+    monkeypatch.setattr(conditioning, "PACKAGED_DIR", tmp_path / "nothing bundled")
+
+
 @pytest.fixture
-def shipped(pc, tmp_path, monkeypatch):
-    """A prefix shipped for ``pc``'s model (and one for another model beside it)."""
-    folder = tmp_path / "learned"
+def installed(pc, tmp_path, monkeypatch):
+    """A prefix installed for ``pc``'s model (and one for another model beside it)."""
+    monkeypatch.setenv("PCACHE_RAG_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(conditioning, "PACKAGED_DIR", tmp_path / "nothing bundled")
+    folder = installed_dir()
+    assert folder == tmp_path / "home" / "learned"
     prefix = LearnedPrefix(initial_embeds(pc)[:20] + 0.05, {"fingerprint": pc.fingerprint, "model": "tiny"})
     prefix.save(folder / "tiny.safetensors")
     LearnedPrefix(initial_embeds(pc)[:20], {"fingerprint": "another model"}).save(folder / "another.safetensors")
-    monkeypatch.setattr(conditioning, "SHIPPED_DIR", folder)
     return prefix
 
 
 DOC = "The north gate opens at dawn and the archive keeps its maps in the basement. " * 4
 
 
-def test_a_shipped_prefix_is_found_by_its_models_fingerprint(pc, shipped, tmp_path):
-    got = shipped_prefix(pc.fingerprint)
-    assert got is not None and got.spec == shipped.spec and torch.equal(got.embeds, shipped.embeds)
-    assert shipped_prefix("no such model") is None
-    assert shipped_prefix(pc.fingerprint, tmp_path / "empty") is None
+def test_an_installed_prefix_is_found_by_its_models_fingerprint(pc, installed, tmp_path, monkeypatch, caplog):
+    got = installed_prefix(pc.fingerprint)
+    assert got is not None and got.spec == installed.spec and torch.equal(got.embeds, installed.embeds)
+    assert installed_prefix("no such model") is None
+    assert installed_prefix(pc.fingerprint, tmp_path / "empty") is None
+    # a prefix a distribution bundles in the package is found too
+    _nothing_installed(monkeypatch, tmp_path)
+    assert installed_prefix(pc.fingerprint) is None
+    bundled = tmp_path / "bundled"
+    installed.save(bundled / "tiny.safetensors")
+    monkeypatch.setattr(conditioning, "PACKAGED_DIR", bundled)
+    assert installed_prefix(pc.fingerprint).spec == installed.spec
+    # a damaged file beside it is skipped with a warning that names it, not an error at every default
+    (bundled / "a-broken.safetensors").write_bytes(b"not a tensor file")
+    conditioning._installed.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="pcache_rag.conditioning"):
+        assert installed_prefix(pc.fingerprint).spec == installed.spec
+    assert "a-broken.safetensors" in caplog.text and "not a readable learned prefix" in caplog.text
 
 
-def test_the_default_conditioning_is_the_shipped_prefix(pc, shipped, smol_tok):
+def test_the_default_conditioning_is_the_installed_prefix(pc, installed, smol_tok):
     asm = Assembler(pc)
-    assert asm.prefix is not None and asm.conditioning == shipped.spec
-    explicit = Assembler(pc, prefix=shipped)
+    assert asm.prefix is not None and asm.conditioning == installed.spec
+    explicit = Assembler(pc, prefix=installed)
     ids = asm.doc_ids(DOC)
     assert len(ids) >= MIN_CONDITIONED_TOKENS
     assert asm.key(ids) == explicit.key(ids)
@@ -63,7 +85,7 @@ def test_the_default_conditioning_is_the_shipped_prefix(pc, shipped, smol_tok):
     assert neutral.key(ids) != asm.key(ids)
     # asked for by name, a neutral passage or none is still what is used
     assert Assembler(pc, conditioning="none").conditioning == "none" and neutral.conditioning == "neutral:1"
-    # another model (no prefix shipped for it) keeps the neutral passage
+    # another model (no prefix installed for it) keeps the neutral passage
     other = PromptCache(tiny_model("qwen2", len(smol_tok), seed=6), smol_tok, store_dtype=torch.float32)
     assert Assembler(other).conditioning == "neutral:1"
     # an engine that cannot encode after a prefix keeps the neutral passage (ALiBi: token ids only)
@@ -71,7 +93,7 @@ def test_the_default_conditioning_is_the_shipped_prefix(pc, shipped, smol_tok):
     assert Assembler(bloom).conditioning == "neutral:1"
 
 
-def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, monkeypatch, caplog):
+def test_a_new_index_keeps_a_copy_of_the_installed_prefix(pc, installed, tmp_path, monkeypatch, caplog):
     from pcache_rag.rag import CachedRAG
     from pcache_rag.rag.index_dir import prefix_path
 
@@ -80,18 +102,18 @@ def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, m
     (docs / "gate.txt").write_text(DOC + "The winter ledgers are on shelf four.")
     rag = CachedRAG(tmp_path / "index", pc=pc, k=1, chunk_tokens=128)
     rag.ingest([docs], progress=False)
-    assert rag.manifest["conditioning"] == shipped.spec == rag.asm.conditioning
-    assert prefix_path(rag.index_dir, shipped.spec).exists()
-    # the index reads its own copy: a later release that ships another prefix does not move it
-    shipped_dir = conditioning.SHIPPED_DIR
-    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
+    assert rag.manifest["conditioning"] == installed.spec == rag.asm.conditioning
+    assert prefix_path(rag.index_dir, installed.spec).exists()
+    # the index reads its own copy: installing another prefix later does not move it
+    home = os.environ["PCACHE_RAG_HOME"]
+    _nothing_installed(monkeypatch, tmp_path)
     again = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
-    assert again.asm.conditioning == shipped.spec
+    assert again.asm.conditioning == installed.spec
     h = again.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
-    assert h.kv_key == Assembler(pc, prefix=shipped).key(again.chunk_ids(h.text, h.source))
-    # a damaged or missing copy of a shipped prefix is restored from the shipped file, with a warning
-    monkeypatch.setattr(conditioning, "SHIPPED_DIR", shipped_dir)
-    copy = prefix_path(rag.index_dir, shipped.spec)
+    assert h.kv_key == Assembler(pc, prefix=installed).key(again.chunk_ids(h.text, h.source))
+    # a damaged or missing copy of an installed prefix is restored from the installed file, with a warning
+    monkeypatch.setenv("PCACHE_RAG_HOME", home)
+    copy = prefix_path(rag.index_dir, installed.spec)
     for damage in ("flip", "delete"):
         if damage == "flip":
             data = bytearray(copy.read_bytes())
@@ -101,11 +123,11 @@ def test_a_new_index_keeps_a_copy_of_the_shipped_prefix(pc, shipped, tmp_path, m
             copy.unlink()
         with caplog.at_level(logging.WARNING, logger="pcache_rag.rag.pipeline"):
             back = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
-        assert back.asm.conditioning == shipped.spec and "restored from the prefix shipped" in caplog.text
-        assert LearnedPrefix.load(copy).spec == shipped.spec
+        assert back.asm.conditioning == installed.spec and "restored from the prefix installed" in caplog.text
+        assert LearnedPrefix.load(copy).spec == installed.spec
         caplog.clear()
-    # a prefix that was not shipped stays a clear error when its copy is gone
-    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
+    # a prefix that is not installed stays a clear error when its copy is gone
+    _nothing_installed(monkeypatch, tmp_path)
     copy.unlink()
     with pytest.raises(FileNotFoundError, match="its prefix"):
         CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
@@ -117,7 +139,7 @@ def _schema(pc, cond: str) -> str:
             f'<module name="doc">{escape(DOC)}</module></schema>')
 
 
-def test_a_schema_opts_in_to_the_shipped_prefix(pc, shipped):
+def test_a_schema_opts_in_to_the_installed_prefix(pc, installed):
     states = {}
     for cond in ("", "neutral", "learned"):
         schema = _schema(pc, cond)
@@ -135,15 +157,15 @@ def test_a_schema_opts_in_to_the_shipped_prefix(pc, shipped):
     pre, doc = list(layout.units[layout.preamble].token_ids), list(layout.units["doc"].token_ids)
     emb = pc.model.get_input_embeddings()
     with torch.no_grad():
-        x = torch.cat([emb(torch.tensor(pre)), shipped.embeds, emb(torch.tensor(doc))])[None]
+        x = torch.cat([emb(torch.tensor(pre)), installed.embeds, emb(torch.tensor(doc))])[None]
         out = pc.model(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=True)
     want = torch.stack([layer.values[0, :, -len(doc):] for layer in out.past_key_values.layers])
     assert torch.allclose(states["learned"].values, want, atol=1e-4)
 
 
 def test_a_schema_asking_for_a_prefix_its_model_lacks_is_refused(pc, tmp_path, monkeypatch):
-    monkeypatch.setattr(conditioning, "SHIPPED_DIR", tmp_path / "nothing shipped")
-    with pytest.raises(PMLError, match="no learned prefix is shipped for this model"):
+    _nothing_installed(monkeypatch, tmp_path)
+    with pytest.raises(PMLError, match="no learned prefix is installed for this model.*pcache-rag install-prefix"):
         pc.add_schema(_schema(pc, "learned").replace('name="s', 'name="t'))
 
 
@@ -168,9 +190,32 @@ def test_components_answering_from_an_index_read_it_under_its_conditioning(pc, t
     got = index_conditioning(tmp_path / "index")
     assert isinstance(got, LearnedPrefix) and got.spec == prefix.spec
     assert index_conditioning(tmp_path / "empty") == "default"
-    register_engine(pc, "tiny-shipped-test", str(tmp_path / "index" / "kv"))
-    llm = PromptCacheLLM(model="tiny-shipped-test", index_dir=str(tmp_path / "index"))
-    chat = ChatPromptCache(model_name="tiny-shipped-test", index_dir=str(tmp_path / "index"))
+    register_engine(pc, "tiny-installed-test", str(tmp_path / "index" / "kv"))
+    llm = PromptCacheLLM(model="tiny-installed-test", index_dir=str(tmp_path / "index"))
+    chat = ChatPromptCache(model_name="tiny-installed-test", index_dir=str(tmp_path / "index"))
     for asm in (llm.assembler, chat._asm()):
         assert asm.conditioning == prefix.spec and asm.key(ids) == h.kv_key
     assert assembler_for(pc).key(ids) != h.kv_key  # the engine's default would have missed
+
+
+def test_the_demo_says_which_conditioning_and_how_to_install_a_prefix(pc, tmp_path, monkeypatch, capsys):
+    from pcache_rag.conditioning import install
+    from pcache_rag.demo import _say_conditioning
+    from pcache_rag.rag import CachedRAG
+
+    _nothing_installed(monkeypatch, tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "gate.txt").write_text(DOC)
+    rag = CachedRAG(tmp_path / "index", pc=pc, k=1, chunk_tokens=128)
+    rag.ingest([docs], progress=False)
+    _say_conditioning(rag)
+    out = capsys.readouterr().out
+    assert "encoded after: neutral:1" in out and "pcache-rag install-prefix" in out
+    prefix = LearnedPrefix(initial_embeds(pc)[:20] + 0.03, {"fingerprint": pc.fingerprint})
+    install(prefix, installed_dir() / "tiny.safetensors")
+    _say_conditioning(CachedRAG(tmp_path / "index", pc=pc, k=1, create=False))
+    out = capsys.readouterr().out
+    assert f"built before {prefix.spec} was installed and keeps neutral:1" in out
+    _say_conditioning(CachedRAG(tmp_path / "new index", pc=pc, k=1))
+    assert capsys.readouterr().out.strip() == f"documents are encoded after: {prefix.spec}"
