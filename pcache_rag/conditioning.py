@@ -161,9 +161,10 @@ def install(prefix: LearnedPrefix, path: str | Path) -> Path:
 
 def installed_prefix(fingerprint: str, folder: str | Path | None = None) -> LearnedPrefix | None:
     """The learned prefix installed for the model of ``fingerprint`` (in ``folder``; by default
-    :func:`installed_dir`, then :data:`PACKAGED_DIR`), or None. Only the files' metadata is
-    read until one matches; a file that cannot be read is skipped with a warning that names
-    it. Read once per process and folder."""
+    :func:`installed_dir`, then :data:`PACKAGED_DIR`), or None; where a folder holds several
+    for the model, the one installed last. Only the files' metadata is read until one matches;
+    a file that cannot be read is skipped with a warning that names it. Read once per process
+    and folder."""
     folders = (str(folder),) if folder is not None else (str(installed_dir()), str(PACKAGED_DIR))
     return _installed(fingerprint, folders)
 
@@ -172,14 +173,16 @@ def installed_prefix(fingerprint: str, folder: str | Path | None = None) -> Lear
 def _installed(fingerprint: str, folders: tuple[str, ...]) -> LearnedPrefix | None:
     from safetensors import SafetensorError, safe_open
 
-    for path in [p for folder in folders for p in sorted(Path(folder).glob("*.safetensors"))]:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:
-                return LearnedPrefix.load(path)
-        except (OSError, ValueError, SafetensorError) as e:  # a damaged file must not stop every default
-            log.warning("skipping %s: not a readable learned prefix (%s)", path, e)
+    for folder in folders:  # the first folder with one wins; in it, the file installed last
+        paths = sorted(Path(folder).glob("*.safetensors"), key=lambda p: (-p.stat().st_mtime, p.name))
+        for path in paths:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                if meta.get("format") == LEARNED_FORMAT and meta.get("fingerprint") == fingerprint:
+                    return LearnedPrefix.load(path)
+            except (OSError, ValueError, SafetensorError) as e:  # a damaged file must not stop every default
+                log.warning("skipping %s: not a readable learned prefix (%s)", path, e)
     return None
 
 

@@ -252,3 +252,34 @@ def test_learned_mode_reads_its_prefix_and_keys_the_checkpoint(smol_dir, tmp_pat
     assert f"learned prefix `{spec}`" in md.read_text(), "the report says which prefix cond:learned read"
     with pytest.raises(ValueError, match="prefix"):
         run_eval(prefix=paths[1], **kw)
+
+
+def test_ttft_is_each_requests_alone_where_a_batch_holds_several(smol_tok):
+    """In a batch every first token waits for the whole batch's rows and questions, so the
+    eval prefills each request of a batch of several again by itself and reports that TTFT;
+    the answers stay the batch's. A batch of one is already alone."""
+    import torch
+
+    from helpers import tiny_model
+    from pcache_rag import PromptCache
+    from pcache_rag.measure.quality import _decode_apart, answer_stop
+
+    pc = PromptCache(tiny_model("llama", len(smol_tok), seed=2), smol_tok, store_dtype=torch.float32)
+    ids = pc.safe.text("The gate opens at dawn. " * 8)
+    doc = pc.encode(ids, list(range(len(ids))))
+    q = pc.safe.text("When does it open?")
+    reqs = [([], ids + q, None, None), ([("d", doc)], q, None, None), ([("d", doc)], q, None, None)]
+    alone: list = []
+    real = pc.generate_parts
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        alone.append((a[1], kw))
+        return out
+
+    pc.generate_parts = spy
+    outs = _decode_apart(pc, ["full", "cond:1", "cond:2"], reqs, max_new_tokens=3)
+    assert [n for n, _ in alone] == [q, q] and all(kw == {"max_new_tokens": 1} for _, kw in alone)
+    batch = pc.generate_parts_batch(reqs[1:], max_new_tokens=3, stop=answer_stop(pc))
+    assert [o.text for o in outs[1:]] == [o.text for o in batch]  # the answers are the batch's
+    assert all(o.ttft_s > 0 for o in outs)

@@ -5,13 +5,15 @@ with few prompts and steps (the real one takes about 50 minutes on two cores).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from helpers import tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.cli import main
-from pcache_rag.conditioning import LearnedPrefix, installed_dir, installed_prefix
+from pcache_rag.conditioning import LearnedPrefix, install, installed_dir, installed_prefix
 from pcache_rag.frameworks import Assembler
 from pcache_rag.measure.quality import install_prefix
 
@@ -49,3 +51,12 @@ def test_install_prefix_learns_once_and_it_becomes_the_default(model_dir, tmp_pa
     assert main(["install-prefix", "--model", str(model_dir), "--steps", "4"]) == 0
     assert f"{rep.prefix.spec} is already installed" in capsys.readouterr().out
     assert LearnedPrefix.load(path).spec == rep.prefix.spec
+    # several files for one model (a prefix installed again, under another name): the one
+    # installed last is in force, whatever the names' order
+    other = LearnedPrefix(rep.prefix.embeds + 0.01, {"fingerprint": pc.fingerprint})
+    install(other, installed_dir() / "zz-older.safetensors")
+    os.utime(installed_dir() / "zz-older.safetensors", (1, 1))  # installed long ago
+    install(LearnedPrefix.load(path), path)
+    assert installed_prefix(pc.fingerprint).spec == rep.prefix.spec
+    install(other, installed_dir() / "aa-newer.safetensors")
+    assert installed_prefix(pc.fingerprint).spec == other.spec
