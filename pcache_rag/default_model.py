@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import cache_home  # noqa: F401  (re-exported: callers import it from here)
+from .fsutil import cache_home
 
 log = logging.getLogger(__name__)
 

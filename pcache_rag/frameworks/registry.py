@@ -23,7 +23,7 @@ _REG_LOCK = threading.Lock()
 def default_states_dir() -> Path:
     """Where framework components keep document states by default (``$PCACHE_RAG_HOME/states``).
     Keys carry the model's fingerprint, so several models share the folder safely."""
-    from ..default_model import cache_home
+    from ..fsutil import cache_home
 
     return cache_home() / "states"
 

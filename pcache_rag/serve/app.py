@@ -146,7 +146,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
     @app.post("/api/sample", status_code=202)
     async def sample():
         """Ingest the sample corpus (standard-library documentation written on first use)."""
-        from ..default_model import cache_home
+        from ..fsutil import cache_home
         from ..samples import build_corpus
 
         corpus = await asyncio.to_thread(build_corpus, cache_home() / "sample-corpus")
