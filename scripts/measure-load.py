@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--batched-only", action="store_true", help="skip the queue (for tuning)")
     a = ap.parse_args()
 
-    from pcache_rag.default_model import cache_home
+    from pcache_rag.fsutil import cache_home
     from pcache_rag.rag import CachedRAG
     from pcache_rag.samples import QUESTIONS, build_corpus
 
@@ -121,10 +121,12 @@ def main() -> int:
             rows = {}
             for c in levels:
                 qs = questions[:c]
+                before = httpx.get(url + "/api/status", timeout=30).json().get("batch") or {}
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(c) as ex:
                     got = list(ex.map(lambda q: _ask(url, q, a.max_tokens), qs))
                 wall = time.perf_counter() - t0
+                after = httpx.get(url + "/api/status", timeout=30).json().get("batch") or {}
                 for q, g in zip(qs, got):
                     reference.setdefault(q, g[0])
                 same = sum(g[0] == reference[q] for q, g in zip(qs, got))
@@ -134,18 +136,31 @@ def main() -> int:
                        "identical": f"{same}/{c}",
                        "server_queued_p50_s": statistics.median(g[4].get("queued_s", 0.0) for g in got),
                        "server_ttft_p50_s": statistics.median(g[4].get("ttft_s", 0.0) for g in got),
+                       "server_retrieve_p50_s": statistics.median(g[4].get("retrieve_s", 0.0) for g in got),
+                       # each request: the client's TTFT and seconds; the server's wait in the queue,
+                       # retrieval and TTFT after the wait; its prompt's cached and computed tokens
+                       "requests": [{"client_ttft_s": g[1], "client_s": g[3], **{k: g[4].get(k) for k in
+                                     ("queued_s", "retrieve_s", "ttft_s", "cached_tokens", "computed_tokens")}}
+                                    for g in got],
                        "longest_pause_p95_s": _pct([g[5] for g in got], 0.95)}
+                if after:  # the batch's own figures for this level: steps, seconds in steps
+                    steps = after["steps"] - before["steps"]
+                    row["scheduler"] = {"steps": steps, "busy_s": after["busy_s"] - before["busy_s"],
+                                        "step_ms": 1000 * (after["busy_s"] - before["busy_s"]) / max(1, steps),
+                                        "mean_batch": (after["decoded"] - before["decoded"]) / max(1, steps)}
                 rows[c] = row
                 print(f"{mode:8s} c={c:3d}: {row['answers_per_s']:.2f} answers/s, {row['tokens_per_s']:.1f} tokens/s, "
                       f"TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, wall {wall:.1f} s, "
                       f"identical to one at a time {same}/{c}; in the server: queued p50 "
                       f"{row['server_queued_p50_s']:.2f} s, TTFT after that p50 {row['server_ttft_p50_s']:.2f} s; "
-                      f"longest pause between two tokens of an answer p95 {row['longest_pause_p95_s']:.2f} s",
+                      f"longest pause between two tokens of an answer p95 {row['longest_pause_p95_s']:.2f} s"
+                      + (f"; batch: {row['scheduler']['steps']} steps of {row['scheduler']['step_ms']:.0f} ms, "
+                         f"{row['scheduler']['mean_batch']:.1f} answers a step" if "scheduler" in row else ""),
                       flush=True)
             results["modes"][mode] = rows
             batch = httpx.get(url + "/api/status", timeout=30).json().get("batch")
             if batch:
-                results["modes"][mode]["scheduler"] = batch
+                results["modes"][mode]["scheduler_total"] = batch
         finally:
             server.terminate()
             server.wait(60)

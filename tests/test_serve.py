@@ -333,6 +333,32 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_up(served, smol):
     assert chat(u, QUESTIONS[2]).status_code == 200, "still answering"
 
 
+def test_an_empty_index_is_refused_before_anything_streams(smol, tmp_path):
+    """No document indexed: both APIs answer 409 with the reason (the worker checks, so the
+    event loop never waits on chroma), and the server answers once a document is in."""
+    from pcache_rag import PromptCache
+    from pcache_rag.rag import CachedRAG
+    from pcache_rag.serve import AnswerService, create_app
+
+    index = tmp_path / "index"
+    rag = CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=2,
+                    chunk_tokens=64)
+    srv = Server(create_app(AnswerService(rag, max_queue=4, max_new_tokens=4)))
+    try:
+        for r in (chat(srv.url, QUESTIONS[0]), chat(srv.url, QUESTIONS[0], stream=True),
+                  httpx.post(srv.url + "/api/ask", json={"question": QUESTIONS[0]})):
+            assert r.status_code == 409, r.text
+            assert "no document is indexed yet: add documents first" in r.json()["error"]["message"]
+        docs = tmp_path / "docs"
+        docs.mkdir()
+        (docs / "gates.md").write_text(DOCS["gates.md"])
+        rag.ingest([docs], progress=False)
+        assert chat(srv.url, QUESTIONS[0]).status_code == 200
+    finally:
+        srv.stop()
+        rag.close()
+
+
 def test_uploads_unsupported_oversized_and_names_that_try_to_escape(served):
     srv, service, _rag = served
     u = srv.url + "/api/documents"
@@ -438,6 +464,81 @@ def test_sixteen_concurrent_questions_match_one_at_a_time(served):
           f"throughput {tokens / wall:.1f} tokens/s, {16 / wall:.2f} answers/s in {wall:.1f} s; one at a time "
           f"{16 / sum(a[3] for a in alone):.2f} answers/s ({16 / wall * sum(a[3] for a in alone) / 16:.1f}x)")
     assert service.counts["failed"] == 0
+
+
+def _answer_events(service, questions: list[str], max_new_tokens: int = 2) -> list[list]:
+    """The events of ``questions`` submitted to ``service`` before its worker starts, so that
+    they all wait in its queue when it takes the first."""
+    import asyncio
+
+    async def run() -> list[list]:
+        jobs = [service.submit(q, max_new_tokens=max_new_tokens) for q in questions]
+        service.start()
+        out = []
+        for j in jobs:
+            events = []
+            while (ev := await asyncio.wait_for(j.events.get(), 120)) is not None:
+                events.append(ev)
+            out.append(events)
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        service.stop()
+
+
+def test_waiting_questions_are_opened_together_with_one_embedding_call(served, monkeypatch):
+    """A burst: the worker takes every waiting question the batch has places for and embeds
+    their retrieval queries in one call; each retrieves with its own vector and finds the
+    chunks it finds alone."""
+    from pcache_rag.serve import AnswerService
+
+    _srv, _service, rag = served
+    qs = QUESTIONS[:6]
+    alone = {q: [(h.source, h.metadata.get("chunk")) for h in rag.retrieve(q)] for q in qs}
+    calls: list[list[str]] = []
+    vectors: dict[str, bool] = {}
+    embed, retrieve = rag.embedder.embed, rag.retrieve
+
+    def embed_spy(texts):
+        calls.append(list(texts))
+        return embed(texts)
+
+    def retrieve_spy(question, k=None, prefetch=True, notes=None, embedding=None):
+        vectors[question] = embedding is not None
+        return retrieve(question, k, prefetch, notes, embedding)
+
+    monkeypatch.setattr(rag.embedder, "embed", embed_spy)
+    monkeypatch.setattr(rag, "retrieve", retrieve_spy)
+    events = _answer_events(AnswerService(rag, max_queue=16, max_new_tokens=2, max_batch=4), qs)
+    assert calls and calls[0] == qs[:4], "the first four (the batch's places) are embedded in one call"
+    assert sum(len(c) for c in calls) == len(qs), "every question is embedded once"
+    assert all(vectors[q] for q in qs[:4])
+    for q, evs in zip(qs, events):
+        kinds = [k for k, _ in evs]
+        assert kinds[0] == "start" and "done" in kinds and "error" not in kinds, evs
+        got = [(Path(s["document"]).name, s["chunk"]) for s in evs[0][1]["sources"]]
+        assert got == [(Path(src).name, c) for src, c in alone[q]], q
+
+
+def test_embedding_waiting_questions_together_falls_back_to_one_by_one(served, monkeypatch, caplog):
+    from pcache_rag.serve import AnswerService
+
+    _srv, _service, rag = served
+
+    embed = rag.embedder.embed
+
+    def broken(texts):  # several at once fail; one at a time works
+        if len(texts) > 1:
+            raise RuntimeError("the embedding model is out of memory")
+        return embed(texts)
+
+    monkeypatch.setattr(rag.embedder, "embed", broken)
+    with caplog.at_level("WARNING", logger="pcache_rag.serve.service"):
+        events = _answer_events(AnswerService(rag, max_queue=16, max_new_tokens=2, max_batch=4), QUESTIONS[:3])
+    assert all("done" in [k for k, _ in evs] for evs in events), events
+    assert "embedding 3 questions together failed (the embedding model is out of memory)" in caplog.text
 
 
 @pytest.mark.parametrize("max_batch", [1, 2])

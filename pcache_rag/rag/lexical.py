@@ -111,11 +111,12 @@ __all__ = ["BM25Index", "rrf", "RRF_K", "RETRIEVAL_MODES", "check_retrieval"]
 
 
 def hybrid_search(index, embedder, bm25: BM25Index, tag: object, question: str, k: int,
-              mode: str = "hybrid") -> list[tuple]:
+              mode: str = "hybrid", embedding: list[float] | None = None) -> list[tuple]:
     """``[(id, score, text, metadata)]``, best first: the dense ranking, or (hybrid) the
     dense and BM25 rankings to a depth of ``max(4k, 20)``, fused by reciprocal rank. ``tag``
-    names the index's version: BM25 is rebuilt when it changes."""
-    emb = embedder.embed([question])[0]
+    names the index's version: BM25 is rebuilt when it changes. ``embedding``: the question's
+    vector when the caller embedded it already (several questions in one call)."""
+    emb = embedding if embedding is not None else embedder.embed([question])[0]
     if mode == "dense":
         return index.query(emb, k)
     depth = max(4 * k, 20)

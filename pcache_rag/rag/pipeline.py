@@ -390,20 +390,20 @@ class CachedRAG:
     # ------------------------------------------------------------------ retrieve and answer
 
     def retrieve(self, question: str, k: int | None = None, prefetch: bool = True,
-                 notes: list[str] | None = None) -> list[ModuleHandle]:
-        """The ``k`` closest chunks as handles, best first; their states start moving to the
-        fastest tier at once (``prefetch``). Sees every ingest committed by any process
-        (:meth:`refresh`); what cannot be used is said in ``notes`` (when given) and the log."""
+                 notes: list[str] | None = None, embedding: list[float] | None = None) -> list[ModuleHandle]:
+        """The ``k`` closest chunks as handles, best first; their states start moving to the fastest tier at once
+        (``prefetch``). Sees every ingest committed by any process (:meth:`refresh`); what cannot be used is said
+        in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it."""
         k = self.k if k is None else _check_k(k)
         _check_question(question)
         self.refresh()
         hits = hybrid_search(self.index, self.embedder, self._bm25, (self.generation, id(self._index)), question, k,
-                             self.retrieval)
+                             self.retrieval, embedding)
         if any(doc is None or meta is None for _cid, _s, doc, meta in hits):
             # chunks that vanished since chroma's vector index was loaded: look again
             self.refresh(force=True)
             hits = hybrid_search(self.index, self.embedder, self._bm25, (self.generation, id(self._index)), question, k,
-                             self.retrieval)
+                                 self.retrieval, embedding)
         gone = [cid for cid, _s, doc, meta in hits if doc is None or meta is None]
         if gone:
             hits = [h for h in hits if h[2] is not None and h[3] is not None]
