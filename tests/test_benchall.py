@@ -48,3 +48,20 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     assert "throughput, continuous batching against the queue" in heads
     sc = {r[0]: r for r in raw["figures"]["scaffold"]["rows"]}
     assert set(sc) == {"full prefill", "separate modules", "scaffold"} and sc["scaffold"][2] == 2
+
+
+def test_encoding_figure_on_a_sliding_window_model_says_which_batches_it_refuses(smol_tok):
+    """One chunk longer than the window is encoded through the adapter (which gives the window
+    its positions); a batch of such chunks is refused by the engine, and the figure names it
+    instead of failing (`bench all --model gemma3-270m` did, at 1,024-token chunks)."""
+    from helpers import WINDOW, tiny_model
+
+    from pcache_rag import PromptCache
+    from pcache_rag.measure.bench_all import Sizes, encoding_figure
+
+    pc = PromptCache(tiny_model("gemma3", len(smol_tok)), smol_tok, store_dtype=None)
+    sz = Sizes(chunk_sizes=(WINDOW // 2, WINDOW * 2), batch_sizes=(1, 2), repeats=1)
+    fig = encoding_figure(pc, smol_tok, sz, "cpu", lambda _msg: None)
+    assert [(r[0], r[1]) for r in fig.rows] == [(WINDOW // 2, 1), (WINDOW // 2, 2), (WINDOW * 2, 1)]
+    assert all(r[2] > 0 for r in fig.rows)
+    assert f"Not measured (chunk tokens x batch): {WINDOW * 2}x2" in fig.notes[-1]
