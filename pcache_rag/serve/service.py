@@ -2,8 +2,9 @@
 
 Requests wait in a bounded FIFO queue (fair by arrival), and a full queue is refused at
 once (:class:`Busy`, which the app turns into 503 + Retry-After) instead of piling up.
-One worker thread takes them in order, retrieves and builds each prompt, and hands its
-stream to the engine's continuous batch (:meth:`PromptCache.start_batching`): up to
+One worker thread takes them in order (all those waiting at once, as far as the batch has
+places, their retrieval queries embedded in one call), retrieves and builds each prompt, and
+hands its stream to the engine's continuous batch (:meth:`PromptCache.start_batching`): up to
 ``max_batch`` answers decode together, one forward per token step, and each streams as
 its tokens come. With ``max_batch=1`` (or a model that cannot batch) answers are decoded
 one at a time. Ingestion runs in its own thread: questions asked meanwhile are answered
