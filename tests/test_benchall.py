@@ -19,6 +19,8 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     assert tuple(raw["figures"]) == FIGURES
     md = (out / "benchmarks.md").read_text()
     assert raw["machine"]["cores"] >= 1 and raw["machine"]["cpu"] in md
+    assert f"| model | {smol_dir.name} |" in md and "--model" not in md.splitlines()[2]  # the default: no flag
+    assert raw["figures"]["encoding"]["notes"], "a figure's notes are kept in the JSON"
     for key, fig in raw["figures"].items():
         assert fig["rows"], key
         png = out / fig["png"]
@@ -65,3 +67,20 @@ def test_encoding_figure_on_a_sliding_window_model_says_which_batches_it_refuses
     assert [(r[0], r[1]) for r in fig.rows] == [(WINDOW // 2, 1), (WINDOW // 2, 2), (WINDOW * 2, 1)]
     assert all(r[2] > 0 for r in fig.rows)
     assert f"Not measured (chunk tokens x batch): {WINDOW * 2}x2" in fig.notes[-1]
+
+
+def test_report_names_its_model(tmp_path):
+    """A report says which model it measured: the default needs no flag on its command line,
+    any other model is named there and in the machine table."""
+    from pcache_rag.default_model import DEFAULT_NAME
+    from pcache_rag.measure.bench_all import Figure, write_report
+
+    info = {"device": "cpu", "date": "2026-12-03 00:00 UTC", "cpu": "a CPU", "cores": 2, "torch_threads": 2,
+            "gpu": None, "python": "3.11", "torch": "2", "transformers": "5", "pcache_rag": "0.1"}
+    fig = Figure("length", "A figure", ["tokens", "ms"], [[128, 1.5]], ["A note."])
+    for name, flag in ((DEFAULT_NAME, ""), ("gemma3-270m", " --model gemma3-270m")):
+        out = tmp_path / name
+        out.mkdir()
+        md = write_report([fig], {**info, "model": name}, out, False, 60.0, []).read_text()
+        assert f"`pcache-rag bench all{flag} --device cpu`" in md, md[:300]
+        assert f"| model | {name} |" in md and "A note." in md
