@@ -74,6 +74,12 @@ def _load_gguf(path: Path, dtype=torch.float32):
     return model, tok
 
 
+def model_name(name_or_path: str | os.PathLike | None) -> str:
+    """A short name for the model that :func:`load_model` loads from ``name_or_path``: the
+    embedded name, or a folder's or GGUF file's own name (``None``: the default model)."""
+    return Path(str(name_or_path)).name.removesuffix(".gguf") if name_or_path else DEFAULT_NAME
+
+
 def default_model_dir() -> Path:
     """The converted embedded default model folder, converting it on first use."""
     return embedded_model_dir(DEFAULT_NAME)

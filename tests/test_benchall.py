@@ -72,8 +72,11 @@ def test_encoding_figure_on_a_sliding_window_model_says_which_batches_it_refuses
 def test_report_names_its_model(tmp_path):
     """A report says which model it measured: the default needs no flag on its command line,
     any other model is named there and in the machine table."""
-    from pcache_rag.default_model import DEFAULT_NAME
+    from pcache_rag.default_model import DEFAULT_NAME, model_name
     from pcache_rag.measure.bench_all import Figure, write_report
+
+    assert model_name(None) == DEFAULT_NAME and model_name("gemma3-270m") == "gemma3-270m"
+    assert model_name("/models/smol/model.gguf") == "model" and model_name("/models/qwen2-0.5b/") == "qwen2-0.5b"
 
     info = {"device": "cpu", "date": "2026-12-03 00:00 UTC", "cpu": "a CPU", "cores": 2, "torch_threads": 2,
             "gpu": None, "python": "3.11", "torch": "2", "transformers": "5", "pcache_rag": "0.1"}

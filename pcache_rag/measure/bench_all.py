@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..default_model import DEFAULT_NAME
+from ..default_model import DEFAULT_NAME, model_name
 from .metrics import median
 
 QUESTION_TOKENS = 32
@@ -849,7 +849,7 @@ def run_all(model_path=None, quick: bool = False, device: str = "cpu", out="docs
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     info = machine(device)
-    info["model"] = Path(str(model_path)).name.removesuffix(".gguf") if model_path else DEFAULT_NAME
+    info["model"] = model_name(model_path)
     model, tok = load_model(model_path, device=device)
     figs: list[Figure] = []
     raw: dict = {"machine": info, "quick": quick}

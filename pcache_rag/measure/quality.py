@@ -654,9 +654,9 @@ def install_prefix(model=None, path: str | Path | None = None, steps: int = 96, 
     import torch
 
     from ..conditioning import install, installed_dir, installed_prefix
-    from ..default_model import DEFAULT_NAME, load_model
+    from ..default_model import load_model, model_name
 
-    name = Path(str(model)).name.removesuffix(".gguf") if model else DEFAULT_NAME
+    name = model_name(model)
     target = Path(path).expanduser() if path else installed_dir() / f"{name}.safetensors"
     torch.manual_seed(seed)
     m, tok = load_model(model)
