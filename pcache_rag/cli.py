@@ -307,6 +307,12 @@ def cmd_eval(a) -> int:
     from .measure.quality import DEFAULT_MODES, SETS, retrieval_recall, run_eval
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
+    if a.what == "compare":
+        return _eval_compare(a, log)
+    if a.files:
+        print(f"pcache-rag: eval {a.what} takes no files (those are for 'eval compare'): {' '.join(a.files)}",
+              file=sys.stderr)
+        return 2
     if a.what == "retrieval":
         n = 6 if a.quick else a.n
         res = retrieval_recall(a.model, n=n, doc_tokens=a.doc_tokens, seed=a.seed, split=a.split, log=log)
@@ -330,6 +336,32 @@ def cmd_eval(a) -> int:
         log(f"\nwrote {a.out}/quality.md and {a.out}/quality.png")
     if a.json:
         print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _eval_compare(a, log) -> int:
+    from .measure.compare import compare_runs, load_run, markdown
+
+    if len(a.files) < 2:
+        print("pcache-rag: eval compare needs two eval checkpoints or more (eval quality --checkpoint FILE)",
+              file=sys.stderr)
+        return 2
+    try:
+        result = compare_runs([load_run(f) for f in a.files], modes=a.modes)
+    except ValueError as e:
+        print(f"pcache-rag: {e}", file=sys.stderr)
+        return 1
+    text = markdown(result)
+    if a.out:
+        out = Path(a.out)
+        out = out / "quality-compare.md" if out.suffix != ".md" else out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        log(f"wrote {out}")
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(text)
     return 0
 
 
@@ -476,9 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_serve)
 
     e = sub.add_parser("eval", help="evaluations: quality (cached vs full prefill, with recompute policies)")
-    e.add_argument("what", choices=("quality", "retrieval"),
+    e.add_argument("what", choices=("quality", "retrieval", "compare"),
                    help="quality: answers, cached against full prefill; retrieval: the rag set's fact-chunk recall@k, "
-                        "dense against hybrid")
+                        "dense against hybrid; compare: two or more models' quality checkpoints side by side on the "
+                        "questions they share")
+    e.add_argument("files", nargs="*", help="compare: the eval checkpoints (eval quality --checkpoint FILE)")
     e.add_argument("--quick", action="store_true", help="a few questions per set (minutes): checks the harness")
     e.add_argument("--n", type=_positive, default=75, help="questions per set (4 sets)")
     e.add_argument("--doc-tokens", type=_positive, default=400, help="tokens per document")
