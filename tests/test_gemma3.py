@@ -70,3 +70,55 @@ def _esc(text: str) -> str:
     from pcache_rag.pml import escape
 
     return escape(text)
+
+
+@needs_gemma
+def test_serve_with_model_gemma3_answers_from_its_cache(tmp_path):
+    """`pcache-rag ingest` and `pcache-rag serve` with ``--model gemma3-270m``: the server names
+    the model, the web app's page loads, and a chat completion is answered from cached states."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from helpers import free_port
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "gates.md").write_text("The access code for the north gate is 4417.\n\nThe gate opens at dawn.\n")
+    (docs / "ferry.md").write_text("The ferry to the island leaves at 07:45 every morning.\n")
+    exe = [sys.executable, "-m", "pcache_rag.cli"]
+    subprocess.run(exe + ["ingest", str(docs), "--index", str(tmp_path / "idx"), "--chunk-tokens", "64",
+                          "--model", GEMMA3_NAME], check=True, capture_output=True, env=dict(os.environ))
+    port = free_port()
+    proc = subprocess.Popen(exe + ["serve", "--index", str(tmp_path / "idx"), "--port", str(port), "--k", "2",
+                                   "--model", GEMMA3_NAME, "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        assert httpx.get(url + "/", timeout=10).status_code == 200
+        ids = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+        assert GEMMA3_NAME in ids and "pcache-rag" in ids, ids
+        body = {"model": "pcache-rag", "temperature": 0, "max_tokens": 12,
+                "messages": [{"role": "user", "content": "What is the access code for the north gate?"}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["pcache"]["sources"][0]["document"] == "gates.md"
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > out["pcache"]["computed_tokens"]
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=30)[0]
+    assert f"model {GEMMA3_NAME!r}" in log
