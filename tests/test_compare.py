@@ -4,6 +4,8 @@ own full prefill on those questions."""
 
 import json
 
+import pytest
+
 from pcache_rag.cli import main
 from pcache_rag.measure.compare import compare_runs, load_run, markdown
 from pcache_rag.measure.quality import build_sets, mcnemar_p, wilson
@@ -38,6 +40,8 @@ def test_runs_pair_on_shared_questions_with_intervals_and_paired_tests(smol_dir,
     assert rows_b["cond:1"]["ci95"] == list(wilson(1, 3))
     assert rows_b["cond:1"]["agreement"] == 1 / 3  # both correct only on the last question: "same"
     assert "epic:2" not in rows_a and rows_b["epic:2"]["correct"] == 3
+    with pytest.raises(ValueError, match="epic:9"):  # a mode no run holds is named, not dropped in silence
+        compare_runs([ra, rb], modes=["full", "epic:9"])
     text = markdown(res)
     assert "The same 3 questions for every model." in text and "| epic:2 | not run | 3/3 = 100%" in text
 

@@ -104,6 +104,9 @@ def compare_runs(runs: list[Run], modes=None) -> dict:
     if len(runs) < 2:
         raise ValueError("compare needs two runs or more")
     sets = [s for s in runs[0].records if all(runs_i.records.get(s) for runs_i in runs)]
+    held_anywhere = {m for r in runs for s in sets for m in r.records[s]}
+    if missing := [m for m in (modes or ()) if m not in held_anywhere]:
+        raise ValueError(f"no run holds the mode(s) {', '.join(missing)} (they hold {', '.join(sorted(held_anywhere))})")
     labels = [r.name if [x.name for x in runs].count(r.name) == 1 else f"{r.name} ({i + 1})" for i, r in enumerate(runs)]
     out: dict = {"runs": [{"name": label, "path": str(r.path), "config": r.config} for label, r in zip(labels, runs)],
                  "sets": {}}
