@@ -192,6 +192,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_http(url: str, proc, timeout: float = 120) -> None:
+    """Wait until ``url`` answers (any status below 500), failing with the output of ``proc``
+    (a server started with ``subprocess.Popen``) if it exits first, or after ``timeout`` s."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "the process exited"
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, f"{url} did not come up"
+        time.sleep(0.3)
+
+
 class Server:
     """A real uvicorn server on a loopback port, in a thread of this process, configured as
     ``pcache-rag serve`` configures it (``config``: :func:`pcache_rag.serve.server_config`'s)."""

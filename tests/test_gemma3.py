@@ -79,11 +79,10 @@ def test_serve_with_model_gemma3_answers_from_its_cache(tmp_path):
     import os
     import subprocess
     import sys
-    import time
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from helpers import free_port
+    from helpers import free_port, wait_http
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -98,16 +97,7 @@ def test_serve_with_model_gemma3_answers_from_its_cache(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_http(url + "/healthz", proc, timeout=180)
         assert httpx.get(url + "/", timeout=10).status_code == 200
         ids = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
         assert GEMMA3_NAME in ids and "pcache-rag" in ids, ids

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RedisServer, free_port, tiny_model
+from helpers import RedisServer, free_port, tiny_model, wait_http
 
 from pcache_rag.conditioning import installed_prefix
 
@@ -179,21 +179,6 @@ def test_large_values_are_split_into_parts(server, smol_tok):
     assert back.quantized and torch.equal(back.v_scale, q.v_scale) and torch.equal(back.keys, q.keys)
 
 
-def _wait_http(url: str, proc, timeout: float = 120) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "the process exited"
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, f"{url} did not come up"
-        time.sleep(0.3)
-
-
 @pytest.mark.slow  # three processes and a chroma server: about a minute; `make test-slow`
 @pytest.mark.real_model
 def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_dir, tmp_path):
@@ -210,7 +195,7 @@ def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_di
                                "--port", str(cport)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     servers = []
     try:
-        _wait_http(f"http://127.0.0.1:{cport}/api/v2/heartbeat", chroma, 60)
+        wait_http(f"http://127.0.0.1:{cport}/api/v2/heartbeat", chroma, 60)
         shared = ["--chroma-url", f"http://127.0.0.1:{cport}", "--kv-url", server.url, "--model", str(smol_dir)]
         cli = [sys.executable, "-m", "pcache_rag.cli"]
         docs = _docs(tmp_path)
@@ -225,7 +210,7 @@ def test_two_answering_processes_share_a_chroma_server_and_redis(server, smol_di
             servers.append(proc)
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, servers):
-            _wait_http(url + "/healthz", proc)
+            wait_http(url + "/healthz", proc)
         questions = [Q, "When does the ferry leave?", "Who owns the bakery on Elm Street?"]
         answers = []
         for url in urls:

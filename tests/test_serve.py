@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import Server, free_port
+from helpers import Server, free_port, wait_http
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -595,16 +595,7 @@ def test_serve_command_answers_over_http(tmp_path, smol_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_http(url + "/healthz", proc)
         r = chat(url, QUESTIONS[0], max_tokens=16)
         assert r.status_code == 200 and r.json()["pcache"]["sources"][0]["document"] == "gates.md"
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
