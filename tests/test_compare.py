@@ -43,7 +43,7 @@ def test_runs_pair_on_shared_questions_with_intervals_and_paired_tests(smol_dir,
     with pytest.raises(ValueError, match="epic:9"):  # a mode no run holds is named, not dropped in silence
         compare_runs([ra, rb], modes=["full", "epic:9"])
     text = markdown(res)
-    assert "The same 3 questions for every model." in text and "| epic:2 | not run | 3/3 = 100%" in text
+    assert "The same 3 questions for every model." in text and "| epic:2 | not run | 3/3 = 100% (44%–100%), p 1.000, agrees 67%, 1.0x |" in text
 
 
 def test_other_draws_are_not_paired_and_the_cli_says_why_it_refuses(smol_dir, tmp_path, capsys):

@@ -12,9 +12,10 @@ are paired by their text and gold answer. How many a set shares depends on the s
 * ``cross`` and ``rag`` interleave their draws with the cutting, so their questions part
   after the first few; they are reported on each run's own questions and marked so.
 
-For every model and mode: accuracy with a 95% Wilson interval on the shared questions, the
-exact McNemar p against that model's own full prefill on the same questions, and agreement
-with its full prefill's answers.
+For every model and mode, the eval's own rows (:func:`~.quality.summarize`) on the shared
+questions: accuracy with a 95% Wilson interval, the exact McNemar p against that model's own
+full prefill on the same questions, agreement with its full prefill's answers, and the median
+TTFT's speed-up over that full prefill.
 """
 
 from __future__ import annotations
@@ -85,22 +86,13 @@ def load_run(path: str | Path) -> Run:
     return Run(model_name(config.get("model")), path, config, records, keys)
 
 
-def _wilson_row(correct: list[bool], answers: list[str], full: dict | None) -> dict:
-    from .quality import mcnemar_p, wilson
-
-    n, c = len(correct), sum(correct)
-    row = {"n": n, "correct": c, "accuracy": c / n if n else 0.0, "ci95": list(wilson(c, n))}
-    if full is not None:
-        row["mcnemar_p"] = mcnemar_p(correct, full["correct"])
-        row["agreement"] = sum(a == b for a, b in zip(answers, full["answers"])) / n if n else 0.0
-    return row
-
-
 def compare_runs(runs: list[Run], modes=None) -> dict:
     """Every set the runs all hold: which questions they share, and each run's rows on them
     (on its own questions where they share fewer than :data:`MIN_SHARED` of them).
     ``modes``: the modes to report (default: every mode any run holds; a run without one
     shows it as not run)."""
+    from .quality import ModeResult, summarize
+
     if len(runs) < 2:
         raise ValueError("compare needs two runs or more")
     sets = [s for s in runs[0].records if all(runs_i.records.get(s) for runs_i in runs)]
@@ -122,20 +114,17 @@ def compare_runs(runs: list[Run], modes=None) -> dict:
         for label, r, mp, a in zip(labels, runs, maps, answered):
             idx = [mp[key] for key in shared] if one_to_one else list(range(a))
             rec = r.records[s]
-            pick = {m: {"correct": [rec[m]["correct"][i] for i in idx], "answers": [rec[m]["answers"][i] for i in idx]}
-                    for m in use if m in rec}
-            entry["rows"][label] = {m: _wilson_row(pick[m]["correct"], pick[m]["answers"],
-                                                    pick["full"] if m != "full" and "full" in pick else None)
-                                     for m in pick}
+            pick = {m: ModeResult(**{f: [rec[m][f][i] for i in idx] for f in rec[m]}) for m in use if m in rec}
+            entry["rows"][label] = summarize({s: pick}, list(pick))["sets"][s]  # the eval's own rows, on these questions
         out["sets"][s] = entry
     return out
 
 
-def _cell(row: dict) -> str:
-    p = f", p {row['mcnemar_p']:.3f}" if "mcnemar_p" in row else ""
-    agree = f", agrees {row['agreement']:.0%}" if "agreement" in row else ""
-    return (f"{row['correct']}/{row['n']} = {row['accuracy']:.0%} ({row['ci95'][0]:.0%}–{row['ci95'][1]:.0%}){p}"
-            f"{agree}")
+def _cell(mode: str, row: dict) -> str:
+    acc = f"{row['correct']}/{row['n']} = {row['accuracy']:.0%} ({row['ci95'][0]:.0%}–{row['ci95'][1]:.0%})"
+    if mode == "full" or "mcnemar_p" not in row:
+        return acc
+    return (f"{acc}, p {row['mcnemar_p']:.3f}, agrees {row['agreement']:.0%}, {row['speedup']:.1f}x")
 
 
 def markdown(result: dict) -> str:
@@ -147,8 +136,9 @@ def markdown(result: dict) -> str:
                          f"`{r['config'].get('split', 'reporting')}`, seed {r['config'].get('seed')})"
                          for r in result["runs"])
              + ". Each cell: accuracy (answer-contained) with its 95% Wilson interval; for a cached mode, the "
-               "exact McNemar p against the same model's full prefill on the same questions, and the share of "
-               "answers equal to full prefill's. Questions are paired by their text and gold answer; the "
+               "exact McNemar p against the same model's full prefill on the same questions, the share of "
+               "answers equal to full prefill's, and the median time-to-first-token's speed-up over full prefill "
+               "in the same run. Questions are paired by their text and gold answer; the "
                "documents around each fact are cut to the same number of tokens by each model's own tokenizer.",
              ""]
     for s, entry in result["sets"].items():
@@ -162,7 +152,7 @@ def markdown(result: dict) -> str:
         modes = list(dict.fromkeys(m for rows in entry["rows"].values() for m in rows))
         lines += ["| mode | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for m in modes:
-            lines.append(f"| {m} | " + " | ".join(_cell(entry["rows"][n][m]) if m in entry["rows"][n] else "not run"
+            lines.append(f"| {m} | " + " | ".join(_cell(m, entry["rows"][n][m]) if m in entry["rows"][n] else "not run"
                                                 for n in names) + " |")
         lines.append("")
     return "\n".join(lines)
