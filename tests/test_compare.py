@@ -42,6 +42,7 @@ def test_runs_pair_on_shared_questions_with_intervals_and_paired_tests(smol_dir,
     assert "epic:2" not in rows_a and rows_b["epic:2"]["correct"] == 3
     with pytest.raises(ValueError, match="epic:9"):  # a mode no run holds is named, not dropped in silence
         compare_runs([ra, rb], modes=["full", "epic:9"])
+    assert res["not_in_every_run"] == []
     text = markdown(res)
     assert "The same 3 questions for every model." in text and "| epic:2 | not run | 3/3 = 100% (44%–100%), p 1.000, agrees 67%, 1.0x |" in text
 
@@ -54,6 +55,8 @@ def test_other_draws_are_not_paired_and_the_cli_says_why_it_refuses(smol_dir, tm
     capsys.readouterr()
     text = out.read_text()
     assert "**Not the same questions**" in text and "3/3 = 100%" in text
+    cross = _checkpoint(tmp_path / "x.json", smol_dir, 3, {"full": [True] * 3}, sets=("plain", "cross"))
+    assert compare_runs([load_run(a), load_run(cross)])["not_in_every_run"] == ["cross"]  # said, not dropped
     assert main(["eval", "compare", str(a)]) == 2
     assert "two eval checkpoints or more" in capsys.readouterr().err
     gone = _checkpoint(tmp_path / "gone.json", tmp_path / "no-such-model", 3, {"full": [True] * 3})

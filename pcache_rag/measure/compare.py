@@ -101,11 +101,9 @@ def compare_runs(runs: list[Run], modes=None) -> dict:
         raise ValueError(f"no run holds the mode(s) {', '.join(missing)} (they hold {', '.join(sorted(held_anywhere))})")
     labels = [r.name if [x.name for x in runs].count(r.name) == 1 else f"{r.name} ({i + 1})" for i, r in enumerate(runs)]
     out: dict = {"runs": [{"name": label, "path": str(r.path), "config": r.config} for label, r in zip(labels, runs)],
-                 "sets": {}}
+                 "sets": {}, "not_in_every_run": sorted({s for r in runs for s, res in r.records.items() if res} - set(sets))}
     for s in sets:
-        held = [list(r.records[s]) for r in runs]
-        union = list(dict.fromkeys(m for h in held for m in h))
-        use = [m for m in (modes or union) if any(m in h for h in held)]
+        use = modes or list(dict.fromkeys(m for r in runs for m in r.records[s]))
         answered = [len(next(iter(r.records[s].values()))["correct"]) for r in runs]
         maps = [{key: i for i, key in enumerate(r.keys[s][:a])} for r, a in zip(runs, answered)]
         shared = [key for key in runs[0].keys[s][:answered[0]] if all(key in mp for mp in maps[1:])]
@@ -155,4 +153,6 @@ def markdown(result: dict) -> str:
             lines.append(f"| {m} | " + " | ".join(_cell(m, entry["rows"][n][m]) if m in entry["rows"][n] else "not run"
                                                 for n in names) + " |")
         lines.append("")
+    if result.get("not_in_every_run"):
+        lines += [f"Not compared (not answered in every run): {', '.join(result['not_in_every_run'])}.", ""]
     return "\n".join(lines)
