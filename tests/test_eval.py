@@ -121,6 +121,12 @@ def test_checkpoint_resumes_and_refuses_other_settings(smol_dir, tmp_path):
         a, b = whole["sets"]["plain"][m], resumed["sets"]["plain"][m]
         assert (a["n"], a["correct"], a["f1"]) == (b["n"], b["correct"], b["f1"]), m
     assert len(json.loads(ck.read_text())["records"]["plain"]["full"]["answers"]) == 2
+    # the report times only this run's questions, and says how many it took over
+    assert whole["config"]["resumed_questions"] == 0 and resumed["config"]["resumed_questions"] == 1
+    from pcache_rag.measure.quality import _run_time
+
+    assert "in one run" in _run_time(whole["config"])
+    assert "holding 1 answered question (" in _run_time(resumed["config"])
     with pytest.raises(ValueError, match="modes"):
         run_eval(checkpoint=ck, **{**kw, "modes": ("full", "preamble")})
 

@@ -731,9 +731,11 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     if any(encoding_of(m).startswith("cond:corpus") for m in modes):  # tokenizing the filler again costs seconds
         syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
+    resumed = 0  # questions a checkpoint already held: answered by earlier runs, not timed in this one
     for set_name in sets:
         res = results.setdefault(set_name, {m: ModeResult() for m in modes})
         done = len(res[modes[0]].correct)
+        resumed += min(done, n)
         if done >= n:
             continue
         if set_name == "rag":
@@ -784,11 +786,25 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                              "learn_seconds": round(learned.seconds, 1) if learned is not None else None}
     if checkpoint:
         summary["config"]["resumed_from"] = str(checkpoint)
+        summary["config"]["resumed_questions"] = resumed
     if out_dir:  # "" (--out "") writes nowhere, as the help says
         write_report(summary, Path(out_dir))
     if tmp is not None:
         tmp.cleanup()
     return summary
+
+
+def _run_time(cfg: dict) -> str:
+    """How long the run took, as the report says it: a run resumed from a checkpoint timed only
+    the questions it answered itself, so the report says how many it took over."""
+    secs = cfg.get("seconds")
+    if not isinstance(secs, (int, float)):
+        return f"{secs if secs is not None else '?'}. "
+    held = cfg.get("resumed_questions") or 0
+    if held:
+        return (f"{secs} s in this run, which resumed from a checkpoint holding {held} answered "
+                f"question{'' if held == 1 else 's'} (answered and timed by earlier runs of the same settings). ")
+    return f"{secs} s in one run. "
 
 
 def _save(path: Path, config: dict, results: dict[str, dict[str, ModeResult]]) -> None:
@@ -886,8 +902,7 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
              f"~{cfg.get('doc_tokens', '?')} tokens, k={cfg.get('k', '?')}, greedy answers of at most "
              f"{cfg.get('max_new_tokens', '?')} tokens (the first line with text: a chat model stops at a line break, a "
              f"model without a chat template decodes them all), seed {cfg.get('seed', '?')}, model {cfg.get('model', '?')}; "
-             + (f"{cfg['seconds']} s in one run. " if isinstance(cfg.get("seconds"), (int, float)) else
-                f"{cfg.get('seconds', '?')}. ") + "Accuracy is answer-contained with a 95% Wilson interval; "
+             + _run_time(cfg) + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
              "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run. "
              "Each question's prompts are decoded in batches (`PromptCache.generate_parts_batch`): full prefill "
