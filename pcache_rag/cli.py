@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
     q.add_argument("--recompute", default=None, metavar="POLICY",
-                   help="recompute context tokens for quality: none, epic:K, blend:R, all (default: the engine's)")
+                   help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, all "
+                        "(default: the engine's)")
     q.set_defaults(fn=cmd_ask)
 
     v = sub.add_parser("serve", help="the document-QA web app and an OpenAI-compatible API over an index")

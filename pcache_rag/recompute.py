@@ -21,6 +21,14 @@ on top of the cached states recovers much of the lost quality:
   match (where an answer sits) come along. The top ``R`` fraction is then
   recomputed by the same exact forward. RoPE and learned-position models whose
   attention runs through ``pcache_sdpa``; ALiBi is refused.
+* ``match:N``: the question's own sentences. Every context unit after the first is cut
+  into sentences and lines (:class:`Lexicon`); the one sharing the most words with the
+  question (stemmed, stopwords dropped) is recomputed, then the one sharing the most with
+  the question and the sentences chosen so far, ``N`` in all (a chain, so that a second
+  hop's sentence, named only by the first, comes along). Nothing is chosen where no
+  sentence shares a word. A few dozen tokens, chosen before the forward from text alone:
+  it reads a document's states where a cached read goes wrong most, on the sentence a
+  question asks about when a neighbour holds a sentence like it (issue 20's competing facts).
 * ``all``: every context token (a correctness anchor: it equals a full causal
   prefill of the same tokens and positions).
 * ``Recompute.explicit(rows)``: the given cache rows (no string form). This is
@@ -42,22 +50,30 @@ the stale ones in the workspace only; the store is never changed.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("none", "epic", "blend", "focus", "all", "rows")
+from .words import tokenize
+
+KINDS = ("none", "epic", "blend", "focus", "match", "all", "rows")
 #: ``focus``: a token's score is the best within this many tokens either side
 FOCUS_WINDOW = 4
+#: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
+MATCH_MAX_TOKENS = 64
+#: ``match``: the units (token ids) whose sentences a :class:`Lexicon` keeps
+LEXICON_MEMO = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """A recompute policy; build one with :meth:`parse` (``"none"``, ``"epic:16"``,
-    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"all"``)."""
+    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"match:1"``, ``"all"``)."""
 
     kind: str = "none"
-    k: int = 0  # epic: tokens per unit
+    k: int = 0  # epic: tokens per unit; match: sentences
     ratio: float = 0.0  # blend: fraction of candidate tokens
     check_layer: int = 1  # blend: the layer whose keys are compared
     rows: tuple[int, ...] = ()  # rows: the cache rows to recompute (see :meth:`explicit`)
@@ -82,11 +98,11 @@ class Recompute:
         try:
             if name in ("none", "all") and not arg:
                 return cls(name)
-            if name == "epic" and arg:
+            if name in ("epic", "match") and arg:
                 k = int(arg)
                 if k < 1:
                     raise ValueError
-                return cls("epic", k=k)
+                return cls(name, k=k)
             if name == "blend" and arg:
                 r, _, layer = arg.partition("@")
                 ratio = float(r)
@@ -101,13 +117,13 @@ class Recompute:
         except ValueError:
             pass
         raise ValueError(
-            f"recompute must be 'none', 'all', 'epic:K' (K >= 1), 'blend:R' / 'blend:R@LAYER' or "
-            f"'focus:R' (0 < R <= 1), not {spec!r}"
+            f"recompute must be 'none', 'all', 'epic:K' or 'match:N' (K, N >= 1), 'blend:R' / "
+            f"'blend:R@LAYER' or 'focus:R' (0 < R <= 1), not {spec!r}"
         )
 
     def __str__(self) -> str:
-        if self.kind == "epic":
-            return f"epic:{self.k}"
+        if self.kind in ("epic", "match"):
+            return f"{self.kind}:{self.k}"
         if self.kind == "blend":
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
         if self.kind == "focus":
@@ -141,6 +157,95 @@ def blend_rows(scores: torch.Tensor, lengths: list[int], ratio: float) -> list[i
 def focus_scores(attention: torch.Tensor, window: int = FOCUS_WINDOW) -> torch.Tensor:
     """Each row's score (C,) is the best attention (C,) within ``window`` rows either side."""
     return torch.nn.functional.max_pool1d(attention[None, None].float(), 2 * window + 1, 1, window)[0, 0]
+
+
+#: one sentence or line of a unit: its (start, end) token offsets in the unit, and its words
+Segment = tuple[int, int, frozenset]
+
+
+class Lexicon:
+    """The sentences and lines of cached units, and their words, for ``match:N``.
+
+    A unit's tokens are cut after every token that holds a newline, and after a token ending
+    in ``.``, ``!`` or ``?`` when the next token starts with whitespace; a piece longer than
+    :data:`MATCH_MAX_TOKENS` is cut into pieces of at most that many. Cuts fall on token
+    boundaries, so a chosen sentence is recomputed token for token. A piece's words are
+    :func:`pcache_rag.words.tokenize`'s of its decoded text. Each unit's pieces are kept
+    (the last :data:`LEXICON_MEMO` units read), since one document serves many questions.
+    Safe to share between threads.
+    """
+
+    def __init__(self, tokenizer, memo: int = LEXICON_MEMO) -> None:
+        self.tokenizer = tokenizer
+        self.memo = memo
+        self._units: OrderedDict[tuple[int, ...], list[Segment]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def words(self, ids) -> frozenset:
+        """The words of the text of token ``ids`` (special tokens left out)."""
+        return frozenset(tokenize([self.tokenizer.decode(list(ids), skip_special_tokens=True)])[0])
+
+    def segments(self, ids) -> list[Segment]:
+        """The pieces of the unit whose token ids are ``ids`` (a list or a 1-D tensor)."""
+        key = tuple(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+        with self._lock:
+            seg = self._units.get(key)
+            if seg is not None:
+                self._units.move_to_end(key)
+                return seg
+        seg = self._cut(list(key))
+        with self._lock:
+            self._units[key] = seg
+            while len(self._units) > self.memo:
+                self._units.popitem(last=False)
+        return seg
+
+    def _cut(self, ids: list[int]) -> list[Segment]:
+        if not ids:
+            return []
+        tok = self.tokenizer
+        pieces = tok.batch_decode([[i] for i in ids])  # each token's text (a split character reads as U+FFFD)
+        raw = tok.convert_ids_to_tokens(ids)  # a leading space's mark: byte-level Ġ (or Ċ, a newline), SentencePiece ▁
+
+        def spaced(j: int) -> bool:  # a space starts token j (a newline there ends the line after it)
+            return "\n" not in pieces[j] and (pieces[j][:1].isspace() or str(raw[j])[:1] in ("\u0120", "\u2581"))
+
+        bounds, start = [], 0
+        for i, p in enumerate(pieces):
+            end_here = "\n" in p or (p.rstrip().endswith((".", "!", "?")) and i + 1 < len(ids) and spaced(i + 1))
+            if end_here or i + 1 == len(ids):
+                for s in range(start, i + 1, MATCH_MAX_TOKENS):
+                    bounds.append((s, min(i + 1, s + MATCH_MAX_TOKENS)))
+                start = i + 1
+        texts = [tok.decode(ids[s:e], skip_special_tokens=True) for s, e in bounds]
+        return [(s, e, frozenset(w)) for (s, e), w in zip(bounds, tokenize(texts))]
+
+
+def match_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
+    """Cache rows of the ``n`` sentences (after the first unit) that ``match:n`` chooses for the
+    question ``new_ids``: the one sharing the most words with it, then each next one sharing
+    the most with the question and the sentences chosen before; ties go to the shorter, then
+    the earlier. In cache order."""
+    want = set(lexicon.words(new_ids))
+    if not want or len(kvs) < 2:
+        return []
+    cands: list[Segment] = []  # (first row, end row, words), rows in the assembled context
+    off = kvs[0].length
+    for kv in kvs[1:]:
+        cands.extend((off + s, off + e, w) for s, e, w in lexicon.segments(kv.token_ids) if w)
+        off += kv.length
+    chosen: list[int] = []
+    for _ in range(n):
+        best, key = -1, (0, 0)
+        for i, (s, e, w) in enumerate(cands):
+            k = (len(want & w), s - e)  # shared words, then shortness
+            if k[0] and i not in chosen and k > key:
+                best, key = i, k
+        if best < 0:
+            break
+        chosen.append(best)
+        want |= cands[best][2]
+    return sorted(r for i in chosen for r in range(cands[i][0], cands[i][1]))
 
 
 def recompute_mask(base: torch.Tensor, C: int, rows: torch.Tensor) -> torch.Tensor:
@@ -212,10 +317,11 @@ def first_layers_keys(adapter, ids: torch.Tensor, pos: torch.Tensor, layer: int)
     return cache.layers[layer].keys[0]  # (H, C, D)
 
 
-def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), new_pos=()) -> list[int]:
+def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), new_pos=(),
+                lexicon: Lexicon | None = None) -> list[int]:
     """Cache rows to recompute under ``policy`` for the assembled ``kvs`` (only when several
     units are assembled); ``focus`` ranks them by the attention of ``new_ids`` at ``new_pos``
-    (the question), computed over ``workspace``."""
+    (the question), computed over ``workspace``; ``match`` by the words ``lexicon`` reads."""
     lengths = [kv.length for kv in kvs]
     if policy.kind == "rows":  # checked even for one unit: explicit rows are never dropped in silence
         C = sum(lengths)
@@ -231,6 +337,12 @@ def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), ne
         return list(range(sum(lengths)))
     if policy.kind == "epic":
         return epic_rows(lengths, policy.k)
+    if policy.kind == "match":
+        if lexicon is None:
+            raise ValueError("recompute 'match' compares words: give select_rows the engine's Lexicon")
+        if not new_ids:
+            raise ValueError("recompute 'match' ranks context by the new tokens' words; this prompt has none")
+        return match_rows(lexicon, kvs, list(new_ids), policy.k)
     if policy.kind == "focus":
         return blend_rows(focus_scores(question_attention(adapter, workspace, kvs, list(new_ids), list(new_pos))),
                           lengths, policy.ratio)

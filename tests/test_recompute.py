@@ -17,7 +17,8 @@ from transformers.cache_utils import DynamicCache
 from helpers import WINDOWED, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
-from pcache_rag.recompute import Recompute, epic_rows, focus_scores, question_attention, recompute_mask, select_rows
+from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, epic_rows, focus_scores, match_rows,
+                                  question_attention, recompute_mask, select_rows)
 
 FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"] + WINDOWED
 TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
@@ -102,7 +103,7 @@ def test_none_is_the_cached_path_unchanged(pc):
     assert (ref - none.logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0", "focus:0.3", "rows"])
+@pytest.mark.parametrize("spec", ["epic:2", "epic:5", "blend:0.3", "blend:0.2@0", "focus:0.3", "match:1", "rows"])
 def test_selected_set_equals_the_masked_reference(pc, spec):
     parts, new = _parts(pc)
     kvs = [kv for _, kv in parts]
@@ -115,7 +116,10 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
         with pytest.raises(UnsupportedModelError, match="focus"):
             pc.prefill_parts(parts, new, recompute=spec)
         return
-    rows = select_rows(pc.adapter, pc.workspace, kvs, policy, new, new_pos)
+    rows = select_rows(pc.adapter, pc.workspace, kvs, policy, new, new_pos, pc.prefiller.lexicon)
+    if policy.kind == "match":  # the question ("Which chunk is third?") names the third chunk's words
+        b = kvs[0].length + kvs[1].length
+        assert rows == list(range(b, b + kvs[2].length))
     if policy.kind == "epic":
         assert rows == epic_rows([kv.length for _, kv in parts], policy.k)
     if policy.kind == "rows":
@@ -174,11 +178,12 @@ def test_mask_redirects_selected_columns_to_their_fresh_rows():
 
 
 def test_bad_policies_are_refused():
-    for bad in ["epic", "epic:0", "blend:0", "blend:1.5", "focus", "focus:0", "focus:2", "sometimes", "all:3"]:
+    for bad in ["epic", "epic:0", "blend:0", "blend:1.5", "focus", "focus:0", "focus:2", "sometimes", "all:3",
+                "match", "match:0", "match:0.5"]:
         with pytest.raises(ValueError, match="recompute must be"):
             Recompute.parse(bad)
     assert str(Recompute.parse("blend:0.15@3")) == "blend:0.15@3" and str(Recompute.parse(" EPIC:8 ")) == "epic:8"
-    assert str(Recompute.parse("focus:0.1")) == "focus:0.1"
+    assert str(Recompute.parse("focus:0.1")) == "focus:0.1" and str(Recompute.parse("MATCH:2")) == "match:2"
     assert str(Recompute.explicit([5, 3, 5])) == "rows(2)" and Recompute.explicit([5, 3, 5]).rows == (3, 5)
     with pytest.raises(ValueError, match=">= 0"):
         Recompute.explicit([-1])
@@ -242,7 +247,7 @@ def test_batched_decoding_equals_one_at_a_time(smol_tok):
 
 
 @pytest.mark.parametrize("max_runs,block", [(8, 48), (0, 48), (0, 3)])
-@pytest.mark.parametrize("spec", ["epic:2", "blend:0.3", "focus:0.3", "all", "rows"])
+@pytest.mark.parametrize("spec", ["epic:2", "blend:0.3", "focus:0.3", "match:1", "all", "rows"])
 def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatch):
     """Recomputed rows on the split path (no dense mask: pcache_sdpa reads the rows) give the
     logits of the dense-mask path they replace, to 1e-5, and the same decoded tokens; both
@@ -276,3 +281,45 @@ def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatc
     assert not calls and masked.recomputed_tokens == split.recomputed_tokens > 0
     assert (split.logits - masked.logits).abs().max().item() < 1e-5
     assert pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids == split_tokens
+
+
+def test_lexicon_cuts_sentences_and_lines_on_token_boundaries(smol_tok):
+    """``match``'s pieces: cut after a newline and after a sentence's end before a space (not
+    inside ``os.path`` or before a newline's own token), long ones into pieces of at most
+    MATCH_MAX_TOKENS; each piece's words are stemmed with stopwords dropped."""
+    lx = Lexicon(smol_tok)
+    text = ("Dr Smith works for Acme Corp. He likes tea!\nos.path.join(x) is code\n"
+            + "word " * (MATCH_MAX_TOKENS + 10) + "end.")
+    ids = smol_tok(text)["input_ids"]
+    segs = lx.segments(ids)
+    assert segs[0][0] == 0 and segs[-1][1] == len(ids)
+    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:])), "the pieces tile the unit"
+    texts = [smol_tok.decode(ids[s:e]) for s, e, _ in segs]
+    assert texts[:3] == ["Dr Smith works for Acme Corp.", " He likes tea!\n", "os.path.join(x) is code\n"]
+    assert segs[0][2] == frozenset({"dr", "smith", "work", "acm", "corp"})
+    assert max(e - s for s, e, _ in segs) == MATCH_MAX_TOKENS and len(segs) == 5
+    assert lx.segments(torch.tensor(ids)) is segs, "a unit's pieces are kept, whichever form its ids take"
+
+
+def test_match_chains_to_the_sentence_the_first_one_names(smol_tok):
+    """``match:2`` takes the sentence richest in the question's words, then the one that shares
+    most with the question and that sentence (the second hop); a question sharing no word
+    recomputes nothing, and ``match`` without new tokens or a lexicon is refused by name."""
+    pc = PromptCache(sharp_model("llama", len(smol_tok), seed=3), smol_tok, encoding="isolated", store_dtype=None)
+    texts = ["You answer questions.", "Weather is mild. Mira Holt works for Zentrix Labs. Tea is hot.",
+             "Zentrix Labs is based in Oslo. Brightway is based in Lima. Mira Holt likes rain."]
+    parts, new = contiguous_parts(pc, texts, " Where is the company that Mira Holt works for based?")
+    kvs = [kv for _, kv in parts]
+    seg = {smol_tok.decode(kv.token_ids[s:e].tolist()).strip(): (sum(k.length for k in kvs[:i]) + s,
+                                                                   sum(k.length for k in kvs[:i]) + e)
+           for i, kv in enumerate(kvs) if i for s, e, _ in pc.prefiller.lexicon.segments(kv.token_ids)}
+    first, hop = seg["Mira Holt works for Zentrix Labs."], seg["Zentrix Labs is based in Oslo."]
+    assert match_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*first))
+    assert match_rows(pc.prefiller.lexicon, kvs, new, 2) == list(range(*first)) + list(range(*hop))
+    res = pc.prefill_parts(parts, new, recompute="match:2")
+    assert res.recomputed_tokens == (first[1] - first[0]) + (hop[1] - hop[0])
+    assert pc.prefill_parts(parts, pc.safe.text(" Unrelated?"), recompute="match:3").recomputed_tokens == 0
+    with pytest.raises(ValueError, match="match"):
+        select_rows(pc.adapter, pc.workspace, kvs, Recompute.parse("match:1"), new, [], None)
+    with pytest.raises(ValueError, match="new tokens"):
+        select_rows(pc.adapter, pc.workspace, kvs, Recompute.parse("match:1"), [], [], pc.prefiller.lexicon)

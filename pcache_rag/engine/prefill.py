@@ -23,7 +23,7 @@ import torch
 from ..kv import ModuleKV, Workspace
 from ..models import UnsupportedModelError
 from ..models.attention import CalibratedSpan, Calibration, RecomputedRows, calibrated, recomputing
-from ..recompute import Recompute, recompute_mask, select_rows
+from ..recompute import Lexicon, Recompute, recompute_mask, select_rows
 from .mask import query_layout
 from .types import PrefillResult
 
@@ -31,9 +31,11 @@ from .types import PrefillResult
 class Prefiller:
     """Runs prefills over one workspace with one model adapter."""
 
-    def __init__(self, adapter, workspace: Workspace) -> None:
+    def __init__(self, adapter, workspace: Workspace, lexicon: Lexicon | None = None) -> None:
         self.adapter = adapter
         self.workspace = workspace
+        #: the words of cached sentences, for ``match:N`` (None: that policy is refused)
+        self.lexicon = lexicon
         #: recomputed rows on the split path (no dense mask) where the attention allows it;
         #: False forces the dense mask, the baseline ``bench all``'s recompute figure measures
         self.split_recompute = True
@@ -49,7 +51,7 @@ class Prefiller:
         dev = adapter.device
         t0 = time.perf_counter()
         q = sum(len(ids) for _, _, ids in args) + len(uncached_ids)
-        rows = select_rows(adapter, ws, kvs, policy, uncached_ids, uncached_positions)
+        rows = select_rows(adapter, ws, kvs, policy, uncached_ids, uncached_positions, self.lexicon)
         C, copied = ws.assemble(kvs, extra=q + len(rows) + reserve)
         t1 = time.perf_counter()
         plain = C == 0 and not args  # nothing cached: an ordinary causal prefill

@@ -30,7 +30,7 @@ from ..models import adapter_for
 from ..models.attention import Calibration
 from ..pml import SchemaLayout, chat_format_for
 from ..pml.layout import PromptPlan, bos_ids
-from ..recompute import Recompute
+from ..recompute import Lexicon, Recompute
 from ..store import KVStore, default_store, model_fingerprint
 from ..tokens import safe_tokenizer
 from .decode import Decoder, Generation, SamplingParams, eos_ids
@@ -92,7 +92,7 @@ class PromptCache:
         model's dtype while being copied into the workspace.
         ``max_tokens``: initial workspace capacity (it grows on demand).
         ``recompute``: the default policy for prompts that assemble several units
-        (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"all"``);
+        (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"match:N"``, ``"all"``);
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
         """
         if encoding not in ENCODINGS:
@@ -131,7 +131,7 @@ class PromptCache:
         movable = bool(getattr(self.adapter, "rerotatable", False)) or self.adapter.family == "alibi"
         self.schemas = SchemaRegistry(tokenizer, self.chat, self.max_positions, self.fingerprint, encoding,
                                       self.encoder, self.store, movable, self.model_type)
-        self.prefiller = Prefiller(self.adapter, self.workspace)
+        self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
         self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer))
         self.last_report: SchemaReport | None = None
         #: the document texts whose states this engine keeps or can encode: the Assembler finds

@@ -21,6 +21,8 @@ import logging
 import threading
 import time
 
+from .. import words
+
 log = logging.getLogger(__name__)
 
 #: the constant of reciprocal rank fusion (60 in the original paper and in most systems since)
@@ -34,22 +36,6 @@ def check_retrieval(mode: str) -> str:
     return mode
 
 
-def _bm25s():
-    import bm25s
-
-    logging.getLogger("bm25s").setLevel(logging.WARNING)  # it sets its own logger to DEBUG on import
-    return bm25s
-
-
-def _stemmer():
-    try:
-        import Stemmer  # PyStemmer
-    except ImportError:
-        log.info("PyStemmer is not installed: BM25 matches words unstemmed")
-        return None
-    return Stemmer.Stemmer("english")
-
-
 class BM25Index:
     """BM25 over ``(chunk id, text)`` pairs, rebuilt for each new ``generation``."""
 
@@ -58,20 +44,17 @@ class BM25Index:
         self._generation: object = None
         self._ids: list[str] = []
         self._bm25 = None
-        self._stem = _stemmer()
         self.build_s = 0.0
 
     def _tokenize(self, texts: list[str]):
-        bm25s = _bm25s()
-
-        return bm25s.tokenize(texts, stopwords="en", stemmer=self._stem, show_progress=False, return_ids=False)
+        return words.tokenize(texts)
 
     def ensure(self, generation: object, load) -> None:
         """Build the index from ``load()`` -> ``[(id, text)]`` unless it was built for ``generation``."""
         with self._lock:
             if self._generation == generation and self._bm25 is not None:
                 return
-            bm25s = _bm25s()
+            bm25s = words.bm25s()
             t0 = time.perf_counter()
             pairs = [(cid, text) for cid, text in load() if text]
             self._ids = [cid for cid, _ in pairs]
