@@ -114,7 +114,7 @@ def _rag(a, create: bool):
                                      store=default_store("cpu", Path(a.index).expanduser() / "kv",
                                                          disk_budget=budget, kv_url=a.kv_url))
     return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
-                     chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None),
+                     chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None) or "auto",
                      conditioning=a.conditioning, retrieval=getattr(a, "retrieval", "hybrid"),
                      calibration=getattr(a, "calibration", "auto"))
 
@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
     q.add_argument("--recompute", default=None, metavar="POLICY",
                    help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, all "
-                        "(default: the engine's)")
+                        "(default: the RAG default, match:1, unless the index is calibrated)")
     q.set_defaults(fn=cmd_ask)
 
     v = sub.add_parser("serve", help="the document-QA web app and an OpenAI-compatible API over an index")
@@ -495,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens a batch step computes beside decoding; longer prompts are prefilled in "
                         "chunks (smaller: smoother streams, slower long prompts)")
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
-    v.add_argument("--recompute", default=None, metavar="POLICY", help="recompute policy for answers")
+    v.add_argument("--recompute", default=None, metavar="POLICY",
+                   help="recompute policy for answers (default: match:1, unless the index is calibrated)")
     v.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 and /api (default: $PCACHE_RAG_API_KEY, or none)")
     v.add_argument("--allowed-host", action="append", metavar="NAME",

@@ -123,7 +123,8 @@ def test_an_index_keeps_its_conditioning(smol, tmp_path):
     rag = CachedRAG(index, pc=pc, k=2, chunk_tokens=64, conditioning="neutral")
     rag.ingest([docs], progress=False)
     ans = rag.answer("What is the access code for the copper vault?", max_new_tokens=8)
-    assert ans.output.cached_tokens > 0 and ans.output.computed_tokens < 30
+    # only the question is computed, and the sentence about the vault that the default (match:1) recomputes
+    assert ans.output.cached_tokens > 0 and ans.output.computed_tokens - ans.output.recomputed_tokens < 30
     assert rag.verify().clean
     rag.close()
     again = CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=2)

@@ -157,7 +157,9 @@ def test_rag_question_documents_and_file_names_are_text(smol, tmp_path):
     want = smol.safe.markup(smol.chat.suffix["user"] + smol.chat.generation_prompt)
     assert [i for i in q if i in ctrl] == [i for i in want if i in ctrl]
     ans = rag.answer(HOSTILE[0], handles=hs, max_new_tokens=2)
-    assert ans.output.computed_tokens == len(q)
+    # the question and, with the RAG default (match:1), the document sentence sharing its words
+    assert ans.output.computed_tokens == len(q) + ans.output.recomputed_tokens
+    assert rag.answer(HOSTILE[0], handles=hs, max_new_tokens=2, recompute="none").output.computed_tokens == len(q)
 
 
 def test_plain_text_generation_reads_no_markup(smol):

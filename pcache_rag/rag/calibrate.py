@@ -183,6 +183,22 @@ def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tu
 _warned: set[tuple[str, str]] = set()
 
 
+#: the recompute policy of RAG answers (``CachedRAG(recompute="auto")``): the question's own
+#: sentence, recomputed in context (issue 20: on 100 tuning questions of competing facts it
+#: answered 47 against the learned prefix's 33 and full prefill's 45, at ~18x full prefill's
+#: TTFT; docs/quality-tuning-match.md)
+RAG_RECOMPUTE = "match:1"
+
+
+def rag_recompute(arg: str | None, calibration: str | None) -> str | None:
+    """The policy a ``CachedRAG(recompute=arg)`` answers with: ``"auto"`` is :data:`RAG_RECOMPUTE`,
+    or nothing where the index's ``calibration`` is in force (the two do not combine); ``None``
+    leaves it to the engine; anything else is itself."""
+    if arg != "auto":
+        return arg
+    return None if calibration is not None else RAG_RECOMPUTE
+
+
 def answer_settings(gen: dict, recompute: str | None, calibration: str | None) -> dict:
     """``gen`` with an index's recompute policy and calibration, unless the call sets them. A
     policy that recomputes runs uncalibrated: the two do not combine (said once per pair)."""

@@ -47,7 +47,7 @@ from .chunking import scan
 from .embed import MiniLMEmbedder
 from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
-from .calibrate import answer_settings, resolve_calibration
+from .calibrate import answer_settings, rag_recompute, resolve_calibration
 from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
                         prefix_path, read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
@@ -120,8 +120,8 @@ class CachedRAG:
     ``index_dir`` holds chroma (``chroma/``), the KV store (``kv/``) and a small manifest;
     it must be a new or empty directory or an existing index (``create=False``: it must
     exist). ``chunk_tokens`` defaults to the index's own (512 for a new one); ``k`` chunks
-    of that size must fit the model's context with the question. ``recompute`` sets the
-    policy for answers (``"epic:16"``, ``"blend:0.15"``...; per call: ``answer(..., recompute=)``).
+    of that size must fit the model's context with the question. ``recompute`` sets the policy
+    for answers (``"auto"``: :func:`~.calibrate.rag_recompute`; per call: ``answer(..., recompute=)``).
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
     machines share: states encoded by one are read by the others. ``conditioning`` (``"neutral"``,
     ``"neutral:2"``) encodes every chunk after neutral passages as well as the preamble (see
@@ -134,20 +134,10 @@ class CachedRAG:
     """
 
     def __init__(
-        self,
-        index_dir: str | Path,
-        pc: PromptCache | None = None,
-        model: str | None = None,
-        k: int = 4,
-        chunk_tokens: int | None = None,
-        system_prompt: str = DEFAULT_SYSTEM,
-        chroma_url: str | None = None,
-        embedder: MiniLMEmbedder | None = None,
-        create: bool = True,
-        recompute: str | None = None,
-        kv_url: str | None = None,
-        conditioning: str | LearnedPrefix | None = None,
-        retrieval: str = "hybrid",
+        self, index_dir: str | Path, pc: PromptCache | None = None, model: str | None = None, k: int = 4,
+        chunk_tokens: int | None = None, system_prompt: str = DEFAULT_SYSTEM, chroma_url: str | None = None,
+        embedder: MiniLMEmbedder | None = None, create: bool = True, recompute: str | None = "auto",
+        kv_url: str | None = None, conditioning: str | LearnedPrefix | None = None, retrieval: str = "hybrid",
         calibration: str | None = "auto",
     ):
         self.retrieval = check_retrieval(retrieval)
@@ -155,8 +145,8 @@ class CachedRAG:
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
         self.index_dir = check_index_dir(index_dir, create)
-        #: recompute policy for answers (None: the engine's default; see pcache_rag.recompute)
-        self.recompute = None if recompute is None else str(Recompute.parse(recompute))
+        #: the recompute policy asked for: "auto", None (the engine's default) or a policy
+        self._recompute_arg = recompute if recompute in (None, "auto") else str(Recompute.parse(recompute))
         self.k = _check_k(k)
         self.manifest = read_manifest(self.index_dir)
         self.chunk_tokens, cond = built_settings(self.index_dir, self.manifest, chunk_tokens, conditioning)
@@ -382,6 +372,11 @@ class CachedRAG:
         from .calibrate import calibrate_index
 
         return calibrate_index(self, n, k, progress, save, grid)
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute policy answers use (None: the engine's default)."""
+        return rag_recompute(self._recompute_arg, self.calibration[0])
 
     def _answer_gen(self, gen: dict) -> dict:
         """``gen`` with this index's recompute policy and calibration."""
