@@ -1,6 +1,8 @@
 """Hybrid retrieval (BM25 fused with the dense ranking) and the index's calibration.
 
 * reciprocal rank fusion on known rankings;
+* the dense ranking is exact (every stored vector, in every process alike) up to
+  ``EXACT_MAX_CHUNKS``, and chroma's HNSW above it;
 * a chunk that only an exact code identifies is found first by hybrid retrieval, and the
   lexical side follows every commit: this process's ingests and another instance's;
 * ``calibrate`` measures candidates against full prefill on prompts drawn from the index,
@@ -12,7 +14,8 @@ import json
 import pytest
 
 from pcache_rag.rag import CachedRAG
-from pcache_rag.rag.lexical import RRF_K, BM25Index, rrf
+from pcache_rag.rag import lexical
+from pcache_rag.rag.lexical import RRF_K, BM25Index, ExactDense, rrf
 
 FILLER = ("The archive keeps records of shipments, invoices and letters from many years. Clerks file each "
           "record by date and by the name of the office that sent it.")
@@ -38,6 +41,43 @@ def test_bm25_rebuilds_per_generation():
     assert [c for c, _ in idx.search("apples", 5)] == ["c"]
 
 
+class _Vectors:
+    """An index stand-in: ``count`` and ``embeddings`` (ids sorted, as ChromaIndex gives them)."""
+
+    def __init__(self, ids, vecs):
+        self.ids, self.vecs, self.loads = ids, vecs, 0
+
+    def count(self):
+        return len(self.ids)
+
+    def embeddings(self):
+        self.loads += 1
+        return self.ids, self.vecs
+
+
+def test_exact_dense_ranks_by_cosine_and_rebuilds_per_generation(monkeypatch):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vecs = rng.standard_normal((50, 8)).astype(np.float32) * rng.uniform(0.1, 9, (50, 1)).astype(np.float32)
+    ids = [f"c{i:02d}" for i in range(50)]
+    q = rng.standard_normal(8).astype(np.float32)
+    cos = (vecs @ q) / (np.linalg.norm(vecs, axis=1) * np.linalg.norm(q))
+    want = [ids[i] for i in np.argsort(-cos)[:7]]
+    ex, idx = ExactDense(), _Vectors(ids, vecs)
+    assert ex.ensure(1, idx)
+    got = ex.search(q * 3.0, 7)  # the query's length does not matter
+    assert [c for c, _ in got] == want
+    assert [s for _, s in got] == pytest.approx(sorted(cos, reverse=True)[:7], abs=1e-5)
+    ex.ensure(1, idx)
+    assert idx.loads == 1  # same generation: not loaded again
+    tie = ExactDense()
+    tie.ensure(0, _Vectors(["a", "b", "c"], np.ones((3, 2), dtype=np.float32)))
+    assert [c for c, _ in tie.search([1.0, 1.0], 3)] == ["a", "b", "c"]  # ties in id order
+    monkeypatch.setattr(lexical, "EXACT_MAX_CHUNKS", 49)
+    assert not ex.ensure(2, idx) and ex.search(q, 3) == []  # too many chunks: chroma's HNSW serves them
+
+
 @pytest.fixture
 def corpus(tmp_path):
     d = tmp_path / "docs"
@@ -48,7 +88,7 @@ def corpus(tmp_path):
     return d
 
 
-def test_hybrid_finds_the_exact_code_and_follows_commits(smol, tmp_path, corpus):
+def test_hybrid_finds_the_exact_code_and_follows_commits(smol, tmp_path, corpus, monkeypatch):
     rag = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=64)
     rag.ingest([corpus], progress=False, encode="lazy")
     q = "Which record mentions QX-7741-ZB?"
@@ -65,6 +105,24 @@ def test_hybrid_finds_the_exact_code_and_follows_commits(smol, tmp_path, corpus)
     assert rag.retrieve("Where did MM-5512-QA go?", k=1)[0].source.endswith("later.txt")
     dense = CachedRAG(tmp_path / "index", pc=smol, k=2, retrieval="dense")
     assert all("bm25" not in h.metadata for h in dense.retrieve(q, k=2))
+    # the dense ranking is exact: every stored vector by cosine, the same as brute force
+    import numpy as np
+
+    ids, vecs = dense.index.embeddings()
+    qv = np.asarray(dense.embedder.embed([q])[0], dtype=np.float32)
+    cos = (vecs @ qv) / (np.linalg.norm(vecs, axis=1) * np.linalg.norm(qv))
+    got = dense.retrieve(q, k=len(ids))
+    assert [h.id for h in got] == [ids[i] for i in np.argsort(-cos, kind="stable")]
+    assert [h.score for h in got] == pytest.approx(sorted(cos, reverse=True), abs=1e-5)
+
+    def hnsw(*a, **kw):
+        raise AssertionError("chroma's HNSW was asked")
+
+    monkeypatch.setattr(type(dense.index), "query", hnsw)
+    assert len(dense.retrieve(q, k=2)) == 2 and len(rag.retrieve(q, k=2)) == 2  # exact: chroma's query unused
+    monkeypatch.setattr(lexical, "EXACT_MAX_CHUNKS", 0)
+    with pytest.raises(AssertionError, match="HNSW was asked"):  # above the limit, chroma ranks
+        CachedRAG(tmp_path / "index", pc=smol, k=2, retrieval="dense").retrieve(q, k=2)
     with pytest.raises(ValueError, match="retrieval must be one of"):
         CachedRAG(tmp_path / "index", pc=smol, retrieval="sparse")
 

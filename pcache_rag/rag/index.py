@@ -155,6 +155,17 @@ class ChromaIndex:
         got = self.col.get(include=["documents"])
         return list(zip(got["ids"], got["documents"]))
 
+    def embeddings(self):
+        """``(ids, vectors)`` of every chunk: ids sorted, vectors (n, d) float32 in that order
+        (what the exact dense ranking is built from)."""
+        import numpy as np
+
+        got = self.col.get(include=["embeddings"])
+        ids = list(got["ids"])
+        vecs = np.asarray(got["embeddings"], dtype=np.float32).reshape(len(ids), -1)  # (n, d)
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        return [ids[i] for i in order], vecs[order] if ids else vecs
+
     def get(self, ids: list[str]) -> dict[str, tuple[str, dict]]:
         """``{id: (text, metadata)}`` of those of ``ids`` that exist."""
         if not ids:

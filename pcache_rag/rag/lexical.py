@@ -78,6 +78,56 @@ class BM25Index:
             return [(self._ids[int(d)], float(s)) for d, s in zip(docs[0], scores[0]) if s > 0]
 
 
+#: collections up to this many chunks are ranked exactly (see :class:`ExactDense`); larger ones by chroma's HNSW
+EXACT_MAX_CHUNKS = 20_000
+
+
+class ExactDense:
+    """Exact cosine ranking over every stored embedding, for collections of at most
+    :data:`EXACT_MAX_CHUNKS` chunks, rebuilt for each new ``generation`` like BM25.
+
+    Chroma's HNSW index is approximate, and it is rebuilt from chroma's log when a process
+    opens the collection, so its answers can differ from process to process: on the eval's
+    rag index (200 chunks) the fifth-closest chunk (similarity 0.258, the sixth 0.233) was
+    missing from the top 20 in about one process of seven, which changed the prompt. Up to
+    20,000 chunks (30 MB of 384-d vectors), one matrix-vector product costs about a
+    millisecond, so ranking exactly is cheap and the same in every process. Written here
+    because chroma's query has no exact mode."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._generation: object = None
+        self._ids: list[str] = []
+        self._unit = None  # (n, d) float32, rows of unit length; None: not built, or too many chunks
+
+    def ensure(self, generation: object, index) -> bool:
+        """Load the vectors of ``index`` unless they were loaded for ``generation``; whether the
+        exact ranking serves it (False above :data:`EXACT_MAX_CHUNKS`: chroma's HNSW does)."""
+        import numpy as np
+
+        with self._lock:
+            if self._generation != generation:
+                self._unit = None
+                if index.count() <= EXACT_MAX_CHUNKS:
+                    self._ids, vecs = index.embeddings()
+                    norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+                    self._unit = vecs / np.maximum(norms, 1e-12)
+                self._generation = generation
+            return self._unit is not None
+
+    def search(self, embedding, k: int) -> list[tuple[str, float]]:
+        """``[(chunk id, cosine similarity)]`` of the ``k`` closest, best first; ties in id order."""
+        import numpy as np
+
+        with self._lock:
+            if self._unit is None or not self._ids:
+                return []
+            q = np.asarray(embedding, dtype=np.float32)
+            sims = self._unit @ (q / max(float(np.linalg.norm(q)), 1e-12))  # (n,)
+            top = np.argsort(-sims, kind="stable")[:k]
+            return [(self._ids[i], float(sims[i])) for i in top]
+
+
 def rrf(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[str, float]]:
     """Reciprocal rank fusion of several rankings (ids, best first): ``[(id, score)]``, best first.
     Ties keep the order of the first ranking that holds the id."""
@@ -90,20 +140,32 @@ def rrf(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[str, float]]:
     return sorted(score.items(), key=lambda kv: (-kv[1], first[kv[0]]))
 
 
-__all__ = ["BM25Index", "rrf", "RRF_K", "RETRIEVAL_MODES", "check_retrieval"]
+__all__ = ["BM25Index", "ExactDense", "EXACT_MAX_CHUNKS", "rrf", "RRF_K", "RETRIEVAL_MODES", "check_retrieval"]
+
+
+def dense_search(index, exact: ExactDense | None, tag: object, emb, k: int) -> list[tuple]:
+    """``[(id, similarity, text, metadata)]`` of the ``k`` closest chunks: exact where ``exact``
+    serves the index (:class:`ExactDense`), else chroma's HNSW."""
+    if exact is None or not exact.ensure(tag, index):
+        return index.query(emb, k)
+    ranked = exact.search(emb, k)
+    got = index.get([cid for cid, _ in ranked])
+    return [(cid, sim, *got.get(cid, (None, None))) for cid, sim in ranked]
 
 
 def hybrid_search(index, embedder, bm25: BM25Index, tag: object, question: str, k: int,
-              mode: str = "hybrid", embedding: list[float] | None = None) -> list[tuple]:
+                  mode: str = "hybrid", embedding: list[float] | None = None,
+                  exact: ExactDense | None = None) -> list[tuple]:
     """``[(id, score, text, metadata)]``, best first: the dense ranking, or (hybrid) the
     dense and BM25 rankings to a depth of ``max(4k, 20)``, fused by reciprocal rank. ``tag``
-    names the index's version: BM25 is rebuilt when it changes. ``embedding``: the question's
-    vector when the caller embedded it already (several questions in one call)."""
+    names the index's version: BM25 (and ``exact``'s vectors) are rebuilt when it changes.
+    ``embedding``: the question's vector when the caller embedded it already (several
+    questions in one call). A chunk removed meanwhile comes back with text and metadata None."""
     emb = embedding if embedding is not None else embedder.embed([question])[0]
     if mode == "dense":
-        return index.query(emb, k)
+        return dense_search(index, exact, tag, emb, k)
     depth = max(4 * k, 20)
-    dense = index.query(emb, depth)
+    dense = dense_search(index, exact, tag, emb, depth)
     bm25.ensure(tag, index.texts)
     lexical = bm25.search(question, depth)
     fused = rrf([[h[0] for h in dense], [cid for cid, _ in lexical]])[:k]

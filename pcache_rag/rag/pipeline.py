@@ -51,7 +51,7 @@ from .calibrate import answer_settings, rag_recompute, resolve_calibration
 from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
                         prefix_path, read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
-from .lexical import BM25Index, check_retrieval, hybrid_search
+from .lexical import BM25Index, ExactDense, check_retrieval, hybrid_search
 from .prompt import check_fits, chunk_text, question_ids
 from .types import IngestReport, ModuleHandle, RAGAnswer, VerifyReport
 
@@ -161,7 +161,7 @@ class CachedRAG:
         self._watch = ManifestWatch(self.index_dir, int(self.manifest.get("generation", 0)))
         self._refresh_lock = threading.RLock()
         self._ingesting = 0  # ingests running in this process (their commits are our own)
-        self._bm25 = BM25Index()
+        self._bm25, self._dense = BM25Index(), ExactDense()
         self._known_generation: tuple | None = None  # the index version know_indexed() last read
         self._open_index()
         #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
@@ -393,12 +393,12 @@ class CachedRAG:
         _check_question(question)
         self.refresh()
         hits = hybrid_search(self.index, self.embedder, self._bm25, (self.generation, id(self._index)), question, k,
-                             self.retrieval, embedding)
+                             self.retrieval, embedding, self._dense)
         if any(doc is None or meta is None for _cid, _s, doc, meta in hits):
             # chunks that vanished since chroma's vector index was loaded: look again
             self.refresh(force=True)
             hits = hybrid_search(self.index, self.embedder, self._bm25, (self.generation, id(self._index)), question, k,
-                                 self.retrieval, embedding)
+                                 self.retrieval, embedding, self._dense)
         gone = [cid for cid, _s, doc, meta in hits if doc is None or meta is None]
         if gone:
             hits = [h for h in hits if h[2] is not None and h[3] is not None]
