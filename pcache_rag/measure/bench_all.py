@@ -63,7 +63,7 @@ class Sizes:
     repeats: int = 3
     fraction_tokens: int = 2048
     recompute_tokens: int = 1728
-    recompute_modes: tuple[str, ...] = ("none", "epic:16", "blend:0.15", "focus:0.15", "all")
+    recompute_modes: tuple[str, ...] = ("none", "match:1", "epic:16", "blend:0.15", "focus:0.15", "all")
     fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.75, 0.875, 1.0)
     size_lengths: tuple[int, ...] = (2048, 8192)
     size_models: tuple[str, ...] = ("llama-30M", "smollm2-135M", "smollm2-360M", "tinyllama-1.1B")
