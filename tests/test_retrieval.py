@@ -74,6 +74,8 @@ def test_exact_dense_ranks_by_cosine_and_rebuilds_per_generation(monkeypatch):
     tie = ExactDense()
     tie.ensure(0, _Vectors(["a", "b", "c"], np.ones((3, 2), dtype=np.float32)))
     assert [c for c, _ in tie.search([1.0, 1.0], 3)] == ["a", "b", "c"]  # ties in id order
+    empty = ExactDense()
+    assert empty.ensure(0, _Vectors([], np.zeros((0, 0), dtype=np.float32))) and empty.search(q, 3) == []
     monkeypatch.setattr(lexical, "EXACT_MAX_CHUNKS", 49)
     assert not ex.ensure(2, idx) and ex.search(q, 3) == []  # too many chunks: chroma's HNSW serves them
 
@@ -90,8 +92,9 @@ def corpus(tmp_path):
 
 def test_hybrid_finds_the_exact_code_and_follows_commits(smol, tmp_path, corpus, monkeypatch):
     rag = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=64)
-    rag.ingest([corpus], progress=False, encode="lazy")
     q = "Which record mentions QX-7741-ZB?"
+    assert rag.retrieve(q, k=1) == []  # an empty index: nothing to rank, no error
+    rag.ingest([corpus], progress=False, encode="lazy")
     top = rag.retrieve(q, k=1)[0]
     assert top.source.endswith("code.txt") and top.metadata["bm25"] > 0 and rag.retrieval == "hybrid"
     # this process's own ingest: the new file is searchable at once

@@ -162,9 +162,11 @@ class ChromaIndex:
 
         got = self.col.get(include=["embeddings"])
         ids = list(got["ids"])
+        if not ids:
+            return [], np.zeros((0, 0), dtype=np.float32)
         vecs = np.asarray(got["embeddings"], dtype=np.float32).reshape(len(ids), -1)  # (n, d)
         order = sorted(range(len(ids)), key=ids.__getitem__)
-        return [ids[i] for i in order], vecs[order] if ids else vecs
+        return [ids[i] for i in order], vecs[order]
 
     def get(self, ids: list[str]) -> dict[str, tuple[str, dict]]:
         """``{id: (text, metadata)}`` of those of ``ids`` that exist."""
