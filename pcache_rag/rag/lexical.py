@@ -143,14 +143,14 @@ def rrf(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[str, float]]:
 __all__ = ["BM25Index", "ExactDense", "EXACT_MAX_CHUNKS", "rrf", "RRF_K", "RETRIEVAL_MODES", "check_retrieval"]
 
 
-def dense_search(index, exact: ExactDense | None, tag: object, emb, k: int) -> list[tuple]:
-    """``[(id, similarity, text, metadata)]`` of the ``k`` closest chunks: exact where ``exact``
-    serves the index (:class:`ExactDense`), else chroma's HNSW."""
+def dense_ranking(index, exact: ExactDense | None, tag: object, emb, k: int) -> tuple[list[tuple[str, float]], dict]:
+    """``([(id, similarity)], {id: (text, metadata)})``: the ``k`` closest chunks, best first,
+    exact where ``exact`` serves the index (:class:`ExactDense`: no texts come with them, so the
+    caller fetches only those it keeps), else chroma's HNSW with the texts it returns."""
     if exact is None or not exact.ensure(tag, index):
-        return index.query(emb, k)
-    ranked = exact.search(emb, k)
-    got = index.get([cid for cid, _ in ranked])
-    return [(cid, sim, *got.get(cid, (None, None))) for cid, sim in ranked]
+        hits = index.query(emb, k)
+        return [(h[0], h[1]) for h in hits], {h[0]: (h[2], h[3]) for h in hits}
+    return exact.search(emb, k), {}
 
 
 def hybrid_search(index, embedder, bm25: BM25Index, tag: object, question: str, k: int,
@@ -163,23 +163,24 @@ def hybrid_search(index, embedder, bm25: BM25Index, tag: object, question: str, 
     questions in one call). A chunk removed meanwhile comes back with text and metadata None."""
     emb = embedding if embedding is not None else embedder.embed([question])[0]
     if mode == "dense":
-        return dense_search(index, exact, tag, emb, k)
+        ranked, known = dense_ranking(index, exact, tag, emb, k)
+        known.update(index.get([cid for cid, _ in ranked if cid not in known]))
+        return [(cid, sim, *known.get(cid, (None, None))) for cid, sim in ranked]
     depth = max(4 * k, 20)
-    dense = dense_search(index, exact, tag, emb, depth)
+    ranked, known = dense_ranking(index, exact, tag, emb, depth)
     bm25.ensure(tag, index.texts)
     lexical = bm25.search(question, depth)
-    fused = rrf([[h[0] for h in dense], [cid for cid, _ in lexical]])[:k]
-    by_id = {h[0]: h for h in dense}
-    bm25 = dict(lexical)
-    extra = index.get([cid for cid, _ in fused if cid not in by_id])
+    fused = rrf([[cid for cid, _ in ranked], [cid for cid, _ in lexical]])[:k]
+    sims, scores = dict(ranked), dict(lexical)
+    known.update(index.get([cid for cid, _ in fused if cid not in known]))  # one fetch, of the kept chunks only
     out = []
     for cid, score in fused:
-        doc, meta = by_id[cid][2:] if cid in by_id else extra.get(cid, (None, None))
+        doc, meta = known.get(cid, (None, None))
         if meta is not None:
             meta = dict(meta)
-            if cid in by_id:
-                meta["similarity"] = round(by_id[cid][1], 6)
-            if cid in bm25:
-                meta["bm25"] = round(bm25[cid], 6)
+            if cid in sims:
+                meta["similarity"] = round(sims[cid], 6)
+            if cid in scores:
+                meta["bm25"] = round(scores[cid], 6)
         out.append((cid, score, doc, meta))
     return out
