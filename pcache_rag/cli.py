@@ -324,7 +324,8 @@ def cmd_eval(a) -> int:
     n, doc_tokens, new = (3, 128, 20) if a.quick else (a.n, a.doc_tokens, a.max_new_tokens)
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
-                       checkpoint=a.checkpoint, workdir=a.workdir, prefix=a.prefix, learn_steps=a.learn_steps)
+                       checkpoint=a.checkpoint, workdir=a.workdir, prefix=a.prefix, learn_steps=a.learn_steps,
+                       question_template=a.question_template)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
         for m, r in rows.items():
@@ -525,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--split", choices=("reporting", "tuning"), default="reporting",
                    help="which draw of questions: choose settings on 'tuning', report on 'reporting' (disjoint)")
+    e.add_argument("--question-template", default=None, metavar="TEXT",
+                   help="the text after the documents on the synthetic sets, with {question} (default: the RAG "
+                        "path's 'Question: {question}'); 'llamaindex' is LlamaIndex's default QA prompt")
     e.add_argument("--workdir", default=None,
                    help="keep the 'rag' set's corpus and indexes here (default: a temporary folder); a resumed run "
                         "reuses them")

@@ -66,6 +66,11 @@ KINDS = ("none", "epic", "blend", "focus", "match", "all", "rows")
 FOCUS_WINDOW = 4
 #: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
 MATCH_MAX_TOKENS = 64
+#: the policy of answers over retrieved or marked documents (``CachedRAG(recompute="auto")``, the
+#: connectors' default, ``"auto"`` in :func:`resolve_auto`): the question's own sentence, recomputed
+#: in context (issue 20: on 100 tuning questions of competing facts it answered 47 against the
+#: learned prefix's 33 and full prefill's 45, at ~18x full prefill's TTFT; docs/quality-tuning-match.md)
+RAG_RECOMPUTE = "match:1"
 #: ``match``: the units whose sentences a :class:`Lexicon` keeps (~16 KB each at 400 tokens, measured;
 #: cutting a unit again costs ~3 ms)
 LEXICON_MEMO = 1024
@@ -135,6 +140,16 @@ class Recompute:
         if self.kind == "rows":
             return f"rows({len(self.rows)})"
         return self.kind
+
+
+def resolve_auto(spec: str | Recompute | None) -> str | Recompute | None:
+    """``spec`` with ``"auto"`` read as :data:`RAG_RECOMPUTE`, the default of answers over
+    documents; ``None`` stays the engine's own (``none``). A bad policy is refused here, by name."""
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        return RAG_RECOMPUTE
+    if spec is not None:
+        Recompute.parse(spec)
+    return spec
 
 
 def epic_rows(lengths: list[int], k: int) -> list[int]:

@@ -289,3 +289,30 @@ def test_ttft_is_each_requests_alone_where_a_batch_holds_several(smol_tok):
     batch = pc.generate_parts_batch(reqs[1:], max_new_tokens=3, stop=answer_stop(pc))
     assert [o.text for o in outs[1:]] == [o.text for o in batch]  # the answers are the batch's
     assert all(o.ttft_s > 0 for o in outs)
+
+
+def test_question_template_replaces_the_text_after_the_documents(smol_dir, smol_tok, tmp_path):
+    """``--question-template``: a framework's own words around the question, on every mode's
+    prompt alike (full prefill included); recorded in the config, so a checkpoint never mixes
+    prompts; refused on the rag set and without a ``{question}``."""
+    import pytest
+
+    from pcache_rag.measure.quality import QUESTION_TEMPLATES, run_eval
+
+    ck = tmp_path / "ck.json"
+    kw = dict(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=("full", "preamble"),
+              sets=("plain",), out_dir=None, log=lambda *a: None, checkpoint=ck)
+    plain = run_eval(**{**kw, "checkpoint": tmp_path / "plain.json"})
+    got = run_eval(question_template="llamaindex", **kw)
+    assert got["config"]["question_template"] == QUESTION_TEMPLATES["llamaindex"]
+    assert "question_template" not in plain["config"]
+    # the template's words are in every prompt: each is longer than the plain "Question: " one
+    n_extra = len(smol_tok(QUESTION_TEMPLATES["llamaindex"].replace("{question}", ""))["input_ids"]) - 3
+    for m in kw["modes"]:
+        assert got["sets"]["plain"][m]["median_prompt_tokens"] >= plain["sets"]["plain"][m]["median_prompt_tokens"] + n_extra, m
+    with pytest.raises(ValueError, match="settings|question_template"):  # another prompt: not resumed
+        run_eval(**kw)
+    with pytest.raises(ValueError, match="rag"):
+        run_eval(**{**kw, "sets": ("plain", "rag"), "question_template": "llamaindex"})
+    with pytest.raises(ValueError, match="placeholder"):
+        run_eval(**{**kw, "question_template": "Query: "})

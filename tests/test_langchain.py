@@ -176,6 +176,34 @@ def test_chat_params_refused_or_honoured(smol):
         llm.invoke([ToolMessage(content="3", tool_call_id="x")])
 
 
+def test_default_recompute_is_the_rag_default(smol):
+    """Answers over documents recompute the question's own sentence (``"auto"``: ``match:1``,
+    CachedRAG's default), as the server and ``pcache-rag ask`` do; ``None`` reads the cache alone."""
+    from pcache_rag.recompute import RAG_RECOMPUTE
+
+    from langchain_pcache import PromptCacheTextLLM, format_docs
+
+    docs = [Document(page_content=FACTS["codes.md"]), Document(page_content=FACTS["japan.md"])]
+    prompt = f"Context:\n{format_docs(docs)}\n\nQuestion: What is the access code for the north gate?"
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6)
+    assert llm.recompute == "auto" and RAG_RECOMPUTE == "match:1"
+    auto = llm.invoke(prompt)
+    plain = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6, recompute=None).invoke(prompt)
+    named = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6, recompute="match:1").invoke(prompt)
+    assert auto.response_metadata["documents"] == 2
+    # the sentence that shares the question's words ("access code north gate"), ~15 tokens
+    assert 5 <= auto.response_metadata["recomputed_tokens"] <= 40
+    assert plain.response_metadata["recomputed_tokens"] == 0
+    assert named.response_metadata["recomputed_tokens"] == auto.response_metadata["recomputed_tokens"]
+    assert named.content == auto.content
+    text = PromptCacheTextLLM(model=MODEL, cache_dir=STATES, max_tokens=4)
+    assert text.recompute == "auto"
+    text.invoke(prompt)
+    assert last_output(smol).recomputed_tokens > 0
+    with pytest.raises(ValueError, match="recompute"):
+        PromptCacheTextLLM(model=MODEL, cache_dir=STATES, recompute="sometimes")
+
+
 def test_chat_template_applied(smol):
     """The chat model reads the same ids as the tokenizer's own chat template."""
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=4)
@@ -242,12 +270,14 @@ def test_create_retrieval_chain_on_users_store(tmp_path, smol, kind):
 
     class Usage(BaseCallbackHandler):
         def on_llm_end(self, response, **kw):
-            seen.append(response.generations[0][0].message.usage_metadata)
+            seen.append(response.generations[0][0].message)
 
     out = chain.invoke({"input": q}, config={"callbacks": [Usage()]})
-    u = seen[-1]
+    u, meta = seen[-1].usage_metadata, seen[-1].response_metadata
     assert u["input_token_details"]["cache_read"] > 0
-    assert u["input_tokens"] - u["input_token_details"]["cache_read"] == len(tail)  # only the question part
+    # only the question part, and the documents' sentence the default (match:1) reads again
+    assert 0 < meta["recomputed_tokens"] <= 40
+    assert u["input_tokens"] - u["input_token_details"]["cache_read"] == len(tail) + meta["recomputed_tokens"]
 
     streamed = [c for c in chain.stream({"input": q}) if "answer" in c]
     assert "".join(c["answer"] for c in streamed) == out["answer"] and len(streamed) >= 2

@@ -100,18 +100,21 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
     assert r.source_nodes[0].node.metadata["file_name"] == "codes.pdf"
     stats = r.metadata["pcache"]
     assert stats["cached_tokens"] > 0 and stats["encoded_tokens"] == 0  # states made at ingest
-    assert stats["computed_tokens"] == _tail(smol, q)
+    # the question part, and the sentence of the documents the default (match:1) reads again
+    assert 0 < stats["recomputed_tokens"] <= 40
+    assert stats["computed_tokens"] == _tail(smol, q) + stats["recomputed_tokens"]
     assert stats["ttft_s"] > 0
 
     a = asyncio.run(engine.aquery("What time does the ferry leave?"))
-    assert "07:45" in str(a) and a.metadata["pcache"]["computed_tokens"] == _tail(smol, "What time does the ferry leave?")
+    st = a.metadata["pcache"]
+    assert "07:45" in str(a) and st["computed_tokens"] == _tail(smol, "What time does the ferry leave?") + st["recomputed_tokens"]
 
     from llama_index.core.query_engine import RetrieverQueryEngine
 
     from_args = RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=2), llm=llm,
                                                response_synthesizer=PromptCacheSynthesizer(llm))
     r2 = from_args.query(q)
-    assert str(r2) == str(r) and r2.metadata["pcache"]["computed_tokens"] == _tail(smol, q)
+    assert str(r2) == str(r) and r2.metadata["pcache"]["computed_tokens"] == stats["computed_tokens"]
 
     streaming = index.as_query_engine(llm=llm, response_synthesizer=PromptCacheSynthesizer(llm, streaming=True),
                                       similarity_top_k=2)
@@ -126,7 +129,7 @@ def test_stock_pipeline_query_and_chat_engine(docs_dir, tmp_path, smol, store):
 
     text, meta = asyncio.run(astreamed())
     assert "4417" in text and meta["pcache"]["cached_tokens"] == last_output(smol).cached_tokens > 0
-    assert meta["pcache"]["computed_tokens"] == _tail(smol, q)
+    assert meta["pcache"]["computed_tokens"] == stats["computed_tokens"]
 
     # the cached path emits LlamaIndex's instrumentation and callback events
     from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
@@ -191,6 +194,26 @@ def test_llm_chat_template_params_and_async(smol):
     back = PromptCacheLLM.from_dict(llm.to_dict())
     assert back.max_new_tokens == 6 and back.cache_dir == STATES
     assert PromptCacheLLM.from_json(llm.to_json()).model == MODEL
+
+
+def test_default_recompute_is_the_rag_default(smol):
+    """``PromptCacheLLM``'s answers over documents recompute the question's own sentence
+    (``"auto"``: ``match:1``, CachedRAG's default); ``None`` reads the cache alone."""
+    from pcache_rag.frameworks import format_documents
+
+    from llama_index.llms.pcache import PromptCacheLLM
+
+    docs = format_documents(["The access code for the north gate is 4417. The south gate code is 9023.",
+                             "Tokyo is the capital of Japan. Sushi is rice with fish."])
+    prompt = f"Context:\n{docs}\n\nQuestion: What is the access code for the north gate?"
+    auto = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6)
+    assert auto.recompute == "auto"
+    a = auto.complete(prompt).additional_kwargs
+    b = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6, recompute=None).complete(prompt).additional_kwargs
+    assert a["documents"] == b["documents"] == 2
+    assert 5 <= a["recomputed_tokens"] <= 40 and b["recomputed_tokens"] == 0
+    with pytest.raises(ValueError, match="recompute"):
+        PromptCacheLLM(model=MODEL, cache_dir=STATES, recompute="sometimes")
 
 
 def test_synthesizer_prompts_honoured_or_refused(smol):

@@ -57,6 +57,7 @@ from typing import Any
 from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
+from ..recompute import resolve_auto
 from ..conditioning import (LearnedPrefix, conditioning_kind, installed_prefix, neutral_text, parse_conditioning,
                             passage_spec)
 from ..store import unit_key
@@ -451,7 +452,7 @@ class Assembler:
 
     def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         prep = time.perf_counter() - t0
-        stream = self.pc.stream_parts(plan.parts, plan.new_ids, "prefix", recompute, params=gen)
+        stream = self.pc.stream_parts(plan.parts, plan.new_ids, "prefix", resolve_auto(recompute), params=gen)
         try:
             yield from stream
         finally:
@@ -466,6 +467,8 @@ class Assembler:
 
     def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
+        ``recompute``: a policy (:mod:`pcache_rag.recompute`), ``"auto"`` (the RAG default,
+        ``match:1``) or ``None`` (the engine's own, ``none``).
         ``gen``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``."""
         out = None
         for item in self._run(segments, recompute, SamplingParams.of(**gen)):

@@ -125,6 +125,12 @@ def _cached_request_policy(mode: str) -> tuple[str, str | None]:
     if "+" in base:  # a recompute policy on conditioned states
         return base.partition("+")[2], cal
     return ("none" if base in ("isolated", "preamble", "own-system") + COND_MODES else base), cal
+#: ``eval quality --question-template NAME``: frameworks' own text after the documents. LlamaIndex's
+#: default text-QA prompt (``DEFAULT_TEXT_QA_PROMPT_TMPL``, its part after ``{context_str}``)
+QUESTION_TEMPLATES = {
+    "llamaindex": ("\n---------------------\nGiven the context information and not prior knowledge, answer the "
+                   "query.\nQuery: {question}\nAnswer: "),
+}
 #: the quality bar a cached mode must meet (issue 20): at most this many points below full
 #: prefill, with a McNemar p >= 0.05, at this many times full prefill's speed or more
 BAR_POINTS = 3
@@ -380,6 +386,8 @@ class _Synthetic:
         self.encode_cost: dict[str, list[float]] = {}  # encoding -> [tokens, seconds] of documents encoded
         self.corpus_passage = ""  # ``cond:corpus``'s passage (set by run_eval, per split)
         self.prefix = None  # ``cond:learned``'s LearnedPrefix (set by run_eval)
+        #: the text after the documents, around ``{question}`` (set by run_eval; None: the RAG path's own)
+        self.template: str | None = None
 
     def doc_ids(self, doc: str) -> list[int]:
         from ..frameworks import document_ids  # the RAG path's own document tokens
@@ -389,7 +397,12 @@ class _Synthetic:
     def q_ids(self, q: str) -> list[int]:
         from ..rag.prompt import question_ids
 
-        return question_ids(self.pcs["preamble"], q)
+        pc = self.pcs["preamble"]
+        if self.template is None:
+            return question_ids(pc, q)
+        chat = pc.chat  # a framework's template in place of "Question: ", then the turn's end
+        return pc.safe.segments([(self.template.replace("{question}", q), False), (chat.suffix["user"], True),
+                                 (chat.generation_prompt, True)])
 
     def _doc_kv(self, enc: str, doc: str):
         key = (enc, doc)
@@ -678,12 +691,15 @@ def install_prefix(model=None, path: str | Path | None = None, steps: int = 96, 
 def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, modes=DEFAULT_MODES,
              sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
              out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None,
-             split: str = "reporting", prefix: str | Path | None = None, learn_steps: int = 96) -> dict:
+             split: str = "reporting", prefix: str | Path | None = None, learn_steps: int = 96,
+             question_template: str | None = None) -> dict:
     """Run every mode on the same questions of ``split`` (``tuning`` to choose settings,
     ``reporting`` to report them); returns the results (also written to ``out_dir``).
     ``cond:learned`` reads the learned prefix at ``prefix`` (a file); where there is none it is
     learned first (:func:`learn_eval_prefix`, ``learn_steps`` steps) and written there (or next
-    to the checkpoint), so a resumed run uses the same one."""
+    to the checkpoint), so a resumed run uses the same one. ``question_template`` replaces the
+    text after the documents (``"Question: {question}"``) on the synthetic sets: a framework's own
+    prompt (:data:`QUESTION_TEMPLATES` names LlamaIndex's), whose words join the question's."""
     import tempfile
 
     import torch
@@ -701,6 +717,13 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                             or store_of(m)[1])
     if "rag" in sets and synthetic_only:
         raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
+    question_template = QUESTION_TEMPLATES.get(question_template, question_template) if question_template else None
+    if question_template is not None:
+        if "{question}" not in question_template:
+            raise ValueError("a question template needs a {question} placeholder")
+        if "rag" in sets:
+            raise ValueError("a question template applies to the synthetic sets only (the rag set asks through "
+                             "CachedRAG's own prompt)")
     _split(split)
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
@@ -710,6 +733,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
               "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
     syn = _Synthetic(model, tok)
+    if question_template is not None:  # in the config, so a checkpoint never mixes prompts
+        syn.template = config["question_template"] = question_template
     learned = None
     if any(encoding_of(m).startswith("cond:learned") for m in modes):
         from ..conditioning import LearnedPrefix

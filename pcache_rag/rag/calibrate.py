@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.attention import Calibration
+from ..recompute import RAG_RECOMPUTE
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +184,6 @@ def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tu
 _warned: set[tuple[str, str]] = set()
 
 
-#: the recompute policy of RAG answers (``CachedRAG(recompute="auto")``): the question's own
-#: sentence, recomputed in context (issue 20: on 100 tuning questions of competing facts it
-#: answered 47 against the learned prefix's 33 and full prefill's 45, at ~18x full prefill's
-#: TTFT; docs/quality-tuning-match.md)
-RAG_RECOMPUTE = "match:1"
 
 
 def rag_recompute(arg: str | None, calibration: str | None) -> str | None:

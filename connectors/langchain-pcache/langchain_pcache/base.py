@@ -165,7 +165,9 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     States live in ``index_dir/kv`` (an index made by ``pcache-rag ingest``), else in
     ``cache_dir`` (default ``~/.cache/pcache-rag/states``). Sampling: ``temperature`` 0 is
     greedy; ``top_p``, ``seed`` and ``stop`` are honoured. ``recompute`` sets the quality
-    recovery policy (``"epic:16"``, ``"blend:0.3"``; see :mod:`pcache_rag.recompute`).
+    recovery policy: ``"auto"`` (the default) is ``CachedRAG``'s, ``match:1`` (the question's own
+    sentence of the documents, recomputed in context); ``None`` or ``"none"`` reads the cache
+    alone; others: ``"epic:16"``, ``"blend:0.15"`` (see :mod:`pcache_rag.recompute`).
     ``document_preamble`` is the system prompt documents are encoded against; the prompt's
     own system message may differ (only its prefix is encoded then).
     """
@@ -182,7 +184,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    recompute: str | None = None
+    recompute: str | None = "auto"
     document_preamble: str = DEFAULT_SYSTEM
     #: accepted for drop-in compatibility with hosted models; a local model has no network call
     #: to time out or retry, so setting either warns that it has no effect
@@ -196,10 +198,9 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
-        if self.recompute is not None:
-            from pcache_rag.recompute import Recompute
+        from pcache_rag.recompute import resolve_auto
 
-            Recompute.parse(self.recompute)  # a bad policy is refused here, not at the first call
+        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         for name in ("timeout", "max_retries", "api_key"):
@@ -342,9 +343,14 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
-    recompute: str | None = None
+    recompute: str | None = "auto"
     document_preamble: str = DEFAULT_SYSTEM
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
+
+    def model_post_init(self, __context: Any) -> None:
+        from pcache_rag.recompute import resolve_auto
+
+        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
 
     @property
     def _llm_type(self) -> str:

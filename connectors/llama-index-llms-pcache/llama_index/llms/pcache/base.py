@@ -104,16 +104,16 @@ class PromptCacheLLM(CustomLLM):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
-    recompute: str | None = Field(default=None, description="quality recovery policy, e.g. 'epic:16'")
+    recompute: str | None = Field(default="auto", description="quality recovery policy: 'auto' (the RAG default, "
+                                  "match:1), None or 'none' (the cache alone), 'epic:16', 'blend:0.15'")
     document_preamble: str = DEFAULT_SYSTEM
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
-        if self.recompute is not None:
-            from pcache_rag.recompute import Recompute
+        from pcache_rag.recompute import resolve_auto
 
-            Recompute.parse(self.recompute)
+        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
 
