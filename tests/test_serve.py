@@ -378,6 +378,16 @@ def test_uploads_unsupported_oversized_and_names_that_try_to_escape(served):
     assert rep["added"] == 1 and rep["chunks_encoded"] == 1
 
 
+def _stacks(prefix: str = "pcache-") -> str:
+    """Where the service's threads are now (their last frames), for a failure's message."""
+    import threading
+    import traceback
+
+    frames = sys._current_frames()
+    return "\n".join(f"{t.name}:\n" + "".join(traceback.format_stack(frames[t.ident])[-6:])
+                     for t in threading.enumerate() if t.name.startswith(prefix) and t.ident in frames)
+
+
 def _wait_ingest(url: str, timeout: float = 120) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -561,7 +571,9 @@ def test_full_queue_gets_503_with_retry_after(served, max_batch):
                 first = [ex.submit(chat, srv.url, q) for q in QUESTIONS[:max_batch]]
                 deadline = time.time() + 30
                 while service.stats()["queue"]["answering"] < max_batch:
-                    assert time.time() < deadline, "the worker never took the first questions"
+                    # seen twice in ~6 full runs on 2 busy cores, never alone: the message says where
+                    # the worker waits, so the next failure names the cause
+                    assert time.time() < deadline, f"the worker never took the first questions: {_stacks()}"
                     time.sleep(0.05)
                 queued = ex.submit(chat, srv.url, QUESTIONS[max_batch])  # fills the queue of one
                 while service.stats()["queue"]["waiting"] < 1:

@@ -125,6 +125,8 @@ def _cached_request_policy(mode: str) -> tuple[str, str | None]:
     if "+" in base:  # a recompute policy on conditioned states
         return base.partition("+")[2], cal
     return ("none" if base in ("isolated", "preamble", "own-system") + COND_MODES else base), cal
+
+
 #: ``eval quality --question-template NAME``: frameworks' own text after the documents. LlamaIndex's
 #: default text-QA prompt (``DEFAULT_TEXT_QA_PROMPT_TMPL``, its part after ``{context_str}``)
 QUESTION_TEMPLATES = {

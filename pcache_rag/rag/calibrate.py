@@ -184,8 +184,6 @@ def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tu
 _warned: set[tuple[str, str]] = set()
 
 
-
-
 def rag_recompute(arg: str | None, calibration: str | None) -> str | None:
     """The policy a ``CachedRAG(recompute=arg)`` answers with: ``"auto"`` is :data:`RAG_RECOMPUTE`,
     or nothing where the index's ``calibration`` is in force (the two do not combine); ``None``
