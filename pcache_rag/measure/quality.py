@@ -399,12 +399,7 @@ class _Synthetic:
     def q_ids(self, q: str) -> list[int]:
         from ..rag.prompt import question_ids
 
-        pc = self.pcs["preamble"]
-        if self.template is None:
-            return question_ids(pc, q)
-        chat = pc.chat  # a framework's template in place of "Question: ", then the turn's end
-        return pc.safe.segments([(self.template.replace("{question}", q), False), (chat.suffix["user"], True),
-                                 (chat.generation_prompt, True)])
+        return question_ids(self.pcs["preamble"], q, self.template)
 
     def _doc_kv(self, enc: str, doc: str):
         key = (enc, doc)

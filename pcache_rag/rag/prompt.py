@@ -27,12 +27,14 @@ def chunk_text(text: str, source: str | None = None) -> str:
     return f"[{Path(source or '').name}]\n{text}"
 
 
-def question_ids(pc: PromptCache, question: str) -> list[int]:
+def question_ids(pc: PromptCache, question: str, template: str | None = None) -> list[int]:
     """The question after the documents, closing the user turn and opening the assistant's.
-    The question is text: control-token strings in it stay characters."""
+    ``template``: other text around ``{question}`` in place of ``"Question: "`` (a framework's
+    own prompt, as ``eval quality --question-template`` measures). The question is text:
+    control-token strings in it stay characters."""
     chat = pc.chat
-    return pc.safe.segments([(QUESTION_PREFIX + question, False), (chat.suffix["user"], True),
-                             (chat.generation_prompt, True)])
+    text = QUESTION_PREFIX + question if template is None else template.replace("{question}", question)
+    return pc.safe.segments([(text, False), (chat.suffix["user"], True), (chat.generation_prompt, True)])
 
 
 def user_turn(chunk_texts: list[str], question: str) -> str:
