@@ -23,6 +23,15 @@ append-only JSON lines, one text each, written under a file lock; a reader takes
 appended since it last looked, at each lookup (one ``stat`` when nothing changed). JSON, not
 pickle: the journal is data, never code.
 
+**Learning documents from prompts** (:func:`document_spans`): a stock pipeline may paste
+documents that no component of ours has seen (LangChain's ``create_stuff_documents_chain`` over
+any vector store). Such a prompt's messages are split into *blocks* at blank lines; a block of
+at least :data:`MIN_CHARS` characters is taken as a document, encoded on first sight and kept,
+so the next prompt that holds it (in any order, in any message) reads it from the cache. Two
+blocks are never taken: a message's first block (its instructions or a template's header) and
+the final user message's last block (the question, which must attend to the documents). What
+could not be served from the cache is counted in a :class:`Uncached`, which says why in words.
+
 Texts arrive all the time (every retrieval may add a few), and an automaton must be rebuilt
 after words are added. So new anchors go to a small second automaton, rebuilt on the next
 lookup (cheap), and are merged into the main one only when they reach a quarter of it:
@@ -34,8 +43,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import ahocorasick
@@ -46,6 +57,8 @@ log = logging.getLogger(__name__)
 ANCHOR_CHARS = 48
 #: texts shorter than this (after stripping) are not discovered
 MIN_CHARS = 64
+#: what separates the blocks that documents are learned from: a blank line (spaces allowed on it)
+BLOCK_BREAK = re.compile(r"\n[ \t]*\n")
 #: the journal's file name in an engine's ``cache_dir``
 KNOWN_JOURNAL = "known-texts.jsonl"
 
@@ -160,9 +173,11 @@ class KnownTexts:
             self._read_to += len(whole)
             self._add_locked(texts)
 
-    def find(self, text: str) -> list[tuple[int, int]]:
+    def find(self, text: str, misses: list[int] | None = None) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of ``text`` that are known texts, in order;
-        at each offset the longest known text wins, and an earlier span wins over a later one."""
+        at each offset the longest known text wins, and an earlier span wins over a later one.
+        ``misses``, when given, receives the offsets where a known text's opening occurs but
+        the rest differs (a document cut or edited inside)."""
         if len(text) < MIN_CHARS:
             return []
         self._catch_up()
@@ -181,6 +196,9 @@ class KnownTexts:
                         if text.startswith(full, start):
                             hits.append((start, start + len(full)))
                             break
+                    else:
+                        if misses is not None:
+                            misses.append(start)
         spans: list[tuple[int, int]] = []  # leftmost first, then longest; no overlaps
         for start, end in sorted(hits, key=lambda h: (h[0], -h[1])):
             if not spans or start >= spans[-1][1]:
@@ -205,4 +223,77 @@ class KnownTexts:
         self._dirty = False
 
 
-__all__ = ["ANCHOR_CHARS", "KNOWN_JOURNAL", "MIN_CHARS", "KnownTexts"]
+def blocks(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of ``text``'s blocks: the runs between blank lines (:data:`BLOCK_BREAK`),
+    each without the whitespace around it; blank runs give none."""
+    out = []
+    at = 0
+    for m in [*BLOCK_BREAK.finditer(text), None]:
+        end = m.start() if m is not None else len(text)
+        piece = text[at:end]
+        a = at + len(piece) - len(piece.lstrip())
+        b = at + len(piece.rstrip())
+        if b > a:
+            out.append((a, b))
+        if m is not None:
+            at = m.end()
+    return out
+
+
+@dataclass(slots=True)
+class Uncached:
+    """What of a prompt's plain text could have been a document and was computed instead, and
+    why: filled by :func:`document_spans`, read by :meth:`reasons`."""
+
+    short: int = 0  # blocks in a document's place under MIN_CHARS characters
+    unseen: int = 0  # blocks long enough, not known, with learning off
+    cut: int = 0  # a known document's opening found, the rest different
+    learned: int = 0  # blocks taken as new documents (encoded on this first sight)
+
+    def reasons(self) -> list[str]:
+        """One sentence per reason that applies (empty when every candidate was cached)."""
+        out = []
+        if self.short:
+            out.append(f"too short: {self.short} block(s) between blank lines under {MIN_CHARS} characters "
+                       "were computed, not cached")
+        if self.unseen:
+            out.append(f"unseen: {self.unseen} block(s) are not known documents and learning documents from "
+                       "prompts is off, so they were computed")
+        if self.cut:
+            out.append(f"split inside: {self.cut} known document(s) begin here but the text then differs "
+                       "(cut or edited inside); what the prompt holds was computed or learned anew")
+        return out
+
+
+def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, trail: bool,
+                   uncached: Uncached | None = None) -> list[tuple[int, int]]:
+    """The documents in one piece of a message: known texts found anywhere in it
+    (:meth:`KnownTexts.find`), and - with ``learn`` - its other blocks (:func:`blocks`) of at
+    least :data:`MIN_CHARS` characters, except the piece's first block when ``lead`` (it opens
+    a message: instructions, a header) and its last when ``trail`` (it ends the final user
+    message: the question). Non-overlapping spans, in order; ``uncached`` counts the rest."""
+    misses: list[int] = []
+    spans = known.find(text, misses) if len(known) else []
+    found = list(spans)
+    bl = blocks(text)
+    for i, (a, b) in enumerate(bl):
+        if any(x < b and a < y for x, y in spans):
+            continue  # holds (or is) a known document
+        if (lead and i == 0) or (trail and i == len(bl) - 1):
+            continue
+        if b - a < MIN_CHARS:
+            if uncached is not None:
+                uncached.short += 1
+        elif learn:
+            found.append((a, b))
+            if uncached is not None:
+                uncached.learned += 1
+        elif uncached is not None:
+            uncached.unseen += 1
+    if uncached is not None:
+        uncached.cut += sum(1 for m in misses if not any(x <= m < y for x, y in spans))
+    return sorted(found)
+
+
+__all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "MIN_CHARS", "KnownTexts", "Uncached", "blocks",
+           "document_spans"]

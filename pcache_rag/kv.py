@@ -66,6 +66,17 @@ class ModuleKV:
         return ModuleKV(t["keys"], t["values"], self.token_ids, self.position_ids, uid=self.uid,
                         k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
 
+    def head(self, n: int) -> ModuleKV:
+        """The unit's first ``n`` tokens, as views. Each token's states depend only on the
+        tokens before it, so a prefix of a unit is a unit of its own (a document read without
+        the separator it was encoded with). It keeps the ``uid``: the workspace matches units by
+        ``(uid, end)`` in prompt order, so equal ends mean equal lengths and equal rows."""
+        if n >= self.length:
+            return self
+        return ModuleKV(self.keys[:, :, :n], self.values[:, :, :n], self.token_ids[:n], self.position_ids[:n],
+                        uid=self.uid, k_scale=self.k_scale,
+                        v_scale=None if self.v_scale is None else self.v_scale[:, :, :n])
+
     def with_positions(self, position_ids: torch.Tensor) -> ModuleKV:
         """The same states at other position ids (for encodings whose states carry no position)."""
         return ModuleKV(self.keys, self.values, self.token_ids, position_ids, uid=self.uid, k_scale=self.k_scale,

@@ -142,11 +142,13 @@ class Recompute:
         return self.kind
 
 
-def resolve_auto(spec: str | Recompute | None) -> str | Recompute | None:
-    """``spec`` with ``"auto"`` read as :data:`RAG_RECOMPUTE`, the default of answers over
-    documents; ``None`` stays the engine's own (``none``). A bad policy is refused here, by name."""
+def resolve_auto(spec: str | Recompute | None, calibration: str | None = None) -> str | Recompute | None:
+    """The one reading of a recompute argument, for ``CachedRAG``, the connectors and the server:
+    ``"auto"`` is :data:`RAG_RECOMPUTE`, the default of answers over documents, or nothing
+    (None) where an index's ``calibration`` is in force (the two do not combine); ``None`` stays
+    the engine's own (``none``); anything else is itself. A bad policy is refused here, by name."""
     if isinstance(spec, str) and spec.strip().lower() == "auto":
-        return RAG_RECOMPUTE
+        return None if calibration is not None else RAG_RECOMPUTE
     if spec is not None:
         Recompute.parse(spec)
     return spec

@@ -1,5 +1,6 @@
-"""Document discovery (issue 21): known documents found in any prompt without marks, and
-served from the cache exactly as marked ones are."""
+"""Document discovery: known documents found in any prompt without marks and served from the
+cache exactly as marked ones are; documents no component has seen, learned from a prompt's
+blocks on first sight; and why the rest was computed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from pcache_rag.discovery import MIN_CHARS, KnownTexts
+from pcache_rag.discovery import MIN_CHARS, KnownTexts, Uncached, blocks, document_spans
 
 DOC_A = ("The access code for the copper vault is QX-5521. The archivist keeps the only key, "
          "and the vault opens on the first Monday of every month.")
@@ -64,6 +65,126 @@ def test_lookup_scales_to_a_large_corpus():
     after_add = time.perf_counter() - t0
     print(f"discovery: {len(prompt)} chars against 100,000 chunks: {first * 1e3:.0f} ms with the build, "
           f"{again * 1e3:.1f} ms after, {after_add * 1e3:.1f} ms after adding one text")
+
+
+def test_blocks_are_the_runs_between_blank_lines_without_their_whitespace():
+    text = "Head line\nsecond line\n\n  first doc  \n \t\nsecond doc\n\n\n\nlast\n"
+    assert [text[a:b] for a, b in blocks(text)] == ["Head line\nsecond line", "first doc", "second doc", "last"]
+    assert blocks("") == [] and blocks("\n\n  \n\n") == []
+
+
+def test_document_spans_learn_blocks_except_a_messages_opening_and_the_question():
+    d = [f"Document number {i} holds a sentence long enough to be worth a module of its own." for i in range(3)]
+    assert all(len(x) >= MIN_CHARS for x in d)
+    text = f"{d[0]}\n\n{d[1]}\n\nshort block\n\n{d[2]}"
+    why = Uncached()
+    spans = document_spans(text, KnownTexts(), learn=True, lead=True, trail=True, uncached=why)
+    # the first block opens the message (instructions) and the last ends the final user message (the question)
+    assert [text[a:b] for a, b in spans] == [d[1]]
+    assert (why.learned, why.short, why.unseen) == (1, 1, 0)
+    assert why.reasons() == [f"too short: 1 block(s) between blank lines under {MIN_CHARS} characters were "
+                             "computed, not cached"]
+    spans = document_spans(text, KnownTexts(), learn=True, lead=False, trail=False)
+    assert [text[a:b] for a, b in spans] == [d[0], d[1], d[2]]
+    # learning off: the long blocks are unseen, said so; a known one is still found, anywhere
+    known = KnownTexts()
+    known.add(d[0])
+    why = Uncached()
+    spans = document_spans(text, known, learn=False, lead=True, trail=False, uncached=why)
+    assert [text[a:b] for a, b in spans] == [d[0]] and (why.unseen, why.learned) == (2, 0)
+    assert any(r.startswith("unseen: 2 block(s)") for r in why.reasons())
+
+
+def test_a_known_document_cut_inside_is_said_so():
+    known = KnownTexts()
+    known.add(DOC_A)
+    cut = DOC_A[:70] + " and then something else entirely, which nobody has seen."
+    why = Uncached()
+    spans = document_spans(f"Context:\n\n{cut}\n\n{DOC_B}", known, learn=True, lead=True, trail=False,
+                           uncached=why)
+    assert why.cut == 1 and why.learned == 2 and len(spans) == 2, "the cut copy is learned as a text of its own"
+    assert any(r.startswith("split inside: 1 known document(s)") for r in why.reasons())
+    # the whole text found is no miss
+    why = Uncached()
+    document_spans(f"Context:\n\n{DOC_A}", known, learn=True, lead=True, trail=False, uncached=why)
+    assert why.cut == 0 and why.reasons() == []
+
+
+@pytest.mark.real_model
+def test_stock_chain_reads_documents_first_seen_in_its_own_system_message(smol):
+    """The stock LangChain flow: three retrieved documents pasted into a system message by a
+    plain prompt template (no marks, a vector store of LangChain's own), then two of them in
+    another order with another question. The first call learns them; the second reads both
+    from the cache, and the model reads exactly the text the template rendered."""
+    pytest.importorskip("langchain_pcache")
+    from langchain_core.documents import Document
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from langchain_pcache import ChatPromptCache, MiniLMEmbeddings
+    from pcache_rag import PromptCache
+    from pcache_rag.frameworks import Assembler, register_engine
+
+    pc = PromptCache(smol.model, smol.tokenizer)  # its own known texts and states
+    register_engine(pc, "smollm2-135m-instruct", "/nonexistent/pcache-discovery-stock-chain")
+    texts = ["The night ferry from Quellmoor to Astbury departs at 23:40 from pier nine. " * 6,
+             "The Astbury archive holds 412 sea charts, most of them drawn before 1850. " * 6,
+             "Pier nine is the northernmost pier of Quellmoor harbour and has a green light. " * 6]
+    vs = InMemoryVectorStore.from_documents([Document(page_content=t) for t in texts], MiniLMEmbeddings())
+    llm = ChatPromptCache(max_tokens=16, cache_dir="/nonexistent/pcache-discovery-stock-chain")
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer from the documents.\n\n{context}"),
+                                               ("human", "{input}")])
+    q = "When does the night ferry from Quellmoor depart?"
+    docs = vs.as_retriever(search_kwargs={"k": 3}).invoke(q)
+    assert sorted(d.page_content for d in docs) == sorted(texts)
+    asm = Assembler(pc)
+    doc_tokens = {d.page_content: len(asm.doc_ids(d.page_content)) for d in docs}
+    msgs = []
+    for order, question in (((0, 1, 2), q), ((2, 0), "Which pier does the night ferry leave from?")):
+        ctx = "\n\n".join(docs[i].page_content for i in order)
+        rendered = prompt.invoke({"context": ctx, "input": question})
+        msg = (prompt | llm).invoke({"context": ctx, "input": question})
+        msgs.append(msg)
+        assert msg.response_metadata["documents"] == len(order)
+        assert msg.response_metadata["uncached"] == [], "every document was found or learned"
+        # the model read exactly what the template rendered: the assembled ids decode to it
+        turns = [({"system": "system", "human": "user"}[m.type], m.content) for m in rendered.to_messages()]
+        plan = asm.plan(asm.message_segments(turns))
+        ids = [t for _, kv in plan.parts for t in kv.token_ids.tolist()] + plan.new_ids
+        chat = [{"role": r, "content": c} for r, c in turns]
+        assert smol.tokenizer.decode(ids) == smol.tokenizer.apply_chat_template(chat, tokenize=False,
+                                                                                add_generation_prompt=True)
+    first, second = (m.usage_metadata["input_token_details"]["cache_read"] for m in msgs)
+    assert first == 0, "first sight: the documents were encoded by this call, not read"
+    assert msgs[0].response_metadata["encoded_tokens"] >= sum(doc_tokens.values()) - 3
+    reread = doc_tokens[docs[2].page_content] + doc_tokens[docs[0].page_content] - 2  # less their separators
+    recomputed = msgs[1].response_metadata["recomputed_tokens"]  # the question's sentence (match:1), read anew
+    assert second >= 150 and second + recomputed >= reread, "the second call reads both documents from the cache"
+    assert msgs[1].response_metadata["encoded_tokens"] == 0
+    assert msgs[1].content.strip()
+
+
+@pytest.mark.real_model
+def test_documents_too_short_to_learn_are_said_so_in_the_response(smol):
+    pytest.importorskip("langchain_pcache")
+    from langchain_pcache import ChatPromptCache
+    from pcache_rag import PromptCache
+    from pcache_rag.frameworks import PCacheFallbackWarning, register_engine
+
+    register_engine(PromptCache(smol.model, smol.tokenizer), "smollm2-135m-instruct", "/nonexistent/pcache-short")
+    llm = ChatPromptCache(max_tokens=4, cache_dir="/nonexistent/pcache-short")
+    system = "Answer from the documents.\n\nThe ferry leaves at nine.\n\nThe archive has 412 charts."
+    with pytest.warns(PCacheFallbackWarning, match="blank lines"):
+        msg = llm.invoke([("system", system), ("human", "When does the ferry leave?")])
+    assert msg.response_metadata["documents"] == 0
+    assert msg.response_metadata["uncached"] == [
+        f"too short: 2 block(s) between blank lines under {MIN_CHARS} characters were computed, not cached"]
+    off = ChatPromptCache(max_tokens=4, cache_dir="/nonexistent/pcache-short", learn_documents=False)
+    long_system = "Answer from the documents.\n\n" + DOC_A + "\n\n" + DOC_B.replace("ferry", "boat")
+    with pytest.warns(PCacheFallbackWarning):
+        msg = off.invoke([("system", long_system), ("human", "When does the boat leave?")])
+    assert msg.response_metadata["documents"] == 0
+    assert msg.response_metadata["uncached"][0].startswith("unseen: 2 block(s)")
 
 
 @pytest.mark.real_model

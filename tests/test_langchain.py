@@ -316,7 +316,7 @@ def test_tutorial_chain_with_format_docs(tmp_path, smol):
     assert msg.response_metadata["documents"] == 2
     # text nobody has encoded is answered by full prefill, and a warning says why
     unknown = ("The lighthouse keeper winds the clock at dusk and logs the passing ships by name. " * 3)
-    with pytest.warns(PCacheFallbackWarning, match="no marked document and no known one"):
+    with pytest.warns(PCacheFallbackWarning, match="no marked document, no known one"):
         out = llm.invoke(f"Context:\n{unknown}\n\nQuestion: who winds the clock?")
     assert out.response_metadata["documents"] == 0
 

@@ -227,8 +227,12 @@ def test_recompute_default_is_match_unless_calibrated(smol, tmp_path, corpus):
     """``recompute="auto"`` (the default) is RAG_RECOMPUTE; None is the engine's own; an index
     whose calibrated attention is in force answers uncalibrated policies not at all: auto
     yields to the calibration."""
-    from pcache_rag.rag.calibrate import RAG_RECOMPUTE
+    from pcache_rag.recompute import RAG_RECOMPUTE, resolve_auto
 
+    # one resolver for CachedRAG, the connectors and the server
+    assert resolve_auto("auto") == resolve_auto(" Auto ") == RAG_RECOMPUTE
+    assert resolve_auto("auto", "ape:0.9:0.9") is None and resolve_auto("epic:4", "ape:0.9:0.9") == "epic:4"
+    assert resolve_auto(None) is None
     r = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=16)
     assert r.recompute == RAG_RECOMPUTE == "match:1"
     assert CachedRAG(tmp_path / "index", pc=smol, recompute=None).recompute is None

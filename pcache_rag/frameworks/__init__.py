@@ -22,6 +22,7 @@ from .marks import (
     PCacheFallbackWarning,
     Segment,
     SegmentKind,
+    Segments,
     format_documents,
     mark_document,
     sampling,
@@ -38,7 +39,7 @@ _LAZY = {"Assembler": "marked", "CachedOutput": "marked", "default_conditioning"
          "default_states_dir": "registry", "register_engine": "registry", "shared_engine": "registry"}
 
 __all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine",
-           "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "CachedOutput",
+           "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "Segments", "CachedOutput",
            "PCacheFallbackWarning", "mark_document", "format_documents", "split_marked", "unmark", "DOC_OPEN",
            "DOC_CLOSE", "DOC_SEPARATOR", "DOCUMENTS_HEADER", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "default_conditioning",
            "neutral_text", "parse_conditioning"]

@@ -11,7 +11,7 @@ and :class:`Assembler` splits a rendered prompt at those marks:
   prompt, the template's preface) is the **prefix**: its states are cached by
   content, so a fixed system prompt is computed once;
 * each document is a **module** keyed by its text alone (content addressing;
-  whitespace around it is normalized to one blank line after it). It is encoded once, at the canonical
+  encoded with one blank line after it). It is encoded once, at the canonical
   position after the encoding preamble, and re-placed wherever a prompt puts it.
   A document nobody encoded before is encoded on first use and stored, so the
   second time it is a hit. Text between documents (a header written by a
@@ -61,8 +61,9 @@ from ..recompute import resolve_auto
 from ..conditioning import (LearnedPrefix, conditioning_kind, installed_prefix, neutral_text, parse_conditioning,
                             passage_spec)
 from ..store import unit_key
+from ..discovery import MIN_CHARS, Uncached, document_spans
 from .marks import (DEFAULT_CONDITIONING, DEFAULT_SYSTEM, DOC_SEPARATOR, DOCUMENTS_HEADER, MIN_CONDITIONED_TOKENS,
-                    ROLES, PCacheFallbackWarning, Segment, split_marked, unmark)
+                    ROLES, PCacheFallbackWarning, Segment, Segments, split_marked, unmark)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class CachedOutput:
     computed: int  # prompt tokens computed by this call (new, encoded now, recomputed)
     encoded: int  # prefix/document tokens encoded by this call (and stored for next time)
     documents: int  # documents in the prompt
+    uncached: list[str]  # why text that could have been a document was computed (Segments.uncached)
 
     @property
     def text(self) -> str:
@@ -134,7 +136,7 @@ class CachedOutput:
         return {"ttft_s": o.ttft_s, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cache_read,
                 "computed_tokens": self.computed, "encoded_tokens": self.encoded,
                 "recomputed_tokens": o.recomputed_tokens, "documents": self.documents,
-                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason}
+                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason, "uncached": self.uncached}
 
 
 @dataclass(slots=True)
@@ -144,6 +146,7 @@ class _Plan:
     prompt_tokens: int
     encoded: int
     documents: int
+    uncached: list[str]
 
 
 class Assembler:
@@ -229,6 +232,13 @@ class Assembler:
         document's key never depends on the whitespace a template puts after it."""
         return document_ids(self.pc, text)
 
+    def doc_body(self, ids: list[int], text: str) -> list[int]:
+        """A document's ids without its separator, where the prompt has none after it: a head of
+        ``ids`` (its :meth:`doc_ids`, whose stored states are then read in part) when the text
+        tokenizes the same with and without it, else the text's own ids (a unit of their own)."""
+        body = self.pc.safe.text(unmark(text).strip())
+        return ids[: len(body)] if ids[: len(body)] == body else body
+
     def conditioned(self, ids: Sequence[int]) -> bool:
         """Whether ``ids`` are encoded after the conditioning passages: with conditioning set,
         every document of at least :data:`MIN_CONDITIONED_TOKENS` tokens."""
@@ -310,66 +320,78 @@ class Assembler:
 
     # ------------------------------------------------------------------ prompts
 
-    def discover(self, segments: Sequence[Segment]) -> list[Segment]:
-        """``segments`` with every known document (``pc.known_texts``: ingested, seen before,
-        or just retrieved) found in their plain text and made a document segment, as if it had
-        been marked. Markup and marked documents are left as they are."""
-        known = self.pc.known_texts
-        if not len(known):
-            return list(segments)
-        out: list[Segment] = []
-        for s in segments:
-            spans = known.find(s.text) if s.kind == "text" else []
-            at = 0
-            for a, b in spans:
-                if a > at:
-                    out.append(Segment(s.text[at:a], "text"))
-                out.append(Segment(s.text[a:b], "document"))
-                at = b
-            if not spans:
-                out.append(s)
-            elif at < len(s.text):
-                out.append(Segment(s.text[at:], "text"))
-        return out
-
-    def message_segments(self, messages: Sequence[tuple[str, str]], discover: bool = True) -> list[Segment]:
+    def message_segments(self, messages: Sequence[tuple[str, str]], discover: bool = True,
+                         learn: bool = True) -> Segments:
         """Chat messages ``(role, content)`` through the model's own chat template, ending with
-        the generation prompt. Contents are text (marked documents become documents, and so do
-        known documents found in any message: :meth:`discover`, unless ``discover`` is False);
-        only the template's markup may produce control tokens."""
+        the generation prompt. Contents are text; marked documents become documents, and so do
+        (unless ``discover`` is False) known documents found in any message and - with ``learn`` -
+        the system and user messages' other blocks that can be documents
+        (:func:`~pcache_rag.discovery.document_spans`). Only the template's markup may produce
+        control tokens. The result's ``uncached`` says why candidate text was computed."""
         chat = self.pc.chat
-        segs: list[Segment] = []
+        segs = Segments()
+        why = Uncached()
         for i, (role, content) in enumerate(messages):
             if role not in ROLES:
                 raise ValueError(f"unsupported message role {role!r}: pcache-rag renders {', '.join(ROLES)}")
             segs.append(Segment(chat.prefix[role], "markup"))
-            segs.extend(Segment(t, "document" if d else "text") for t, d in split_marked(content))
+            final_user = i == len(messages) - 1 and role == "user"
+            segs.extend(self._content(content, discover, learn and role != "assistant", final_user,
+                                      why if role != "assistant" else None))
             segs.append(Segment(chat.suffix[role], "markup"))
             if i == 0 and role == "system":
                 segs.append(Segment("", "cut"))
         segs.append(Segment(chat.generation_prompt, "markup"))
-        return self.discover(segs) if discover else segs
+        segs.uncached = why.reasons()
+        return segs
 
-    def text_segments(self, prompt: str, discover: bool = True) -> list[Segment]:
-        """A raw text prompt (no chat template): text and marked documents, and the known
-        documents found in the text (:meth:`discover`, unless ``discover`` is False)."""
-        segs = [Segment(t, "document" if d else "text") for t, d in split_marked(prompt)]
-        return self.discover(segs) if discover else segs
+    def text_segments(self, prompt: str, discover: bool = True, learn: bool = True) -> Segments:
+        """A raw text prompt (no chat template), read as one final user message would be by
+        :meth:`message_segments`."""
+        why = Uncached()
+        segs = Segments(self._content(prompt, discover, learn, True, why))
+        segs.uncached = why.reasons()
+        return segs
+
+    def _content(self, content: str, discover: bool, learn: bool, final_user: bool,
+                 why: Uncached | None) -> list[Segment]:
+        """One message's content as segments: marked documents, then the documents found in its
+        plain text (its first block and, in the final user message, its last are never learned)."""
+        pieces = split_marked(content)
+        out: list[Segment] = []
+        for j, (text, marked) in enumerate(pieces):
+            if marked or not discover:
+                out.append(Segment(text, "document" if marked else "text"))
+                continue
+            spans = document_spans(text, self.pc.known_texts, learn=learn, lead=j == 0,
+                                   trail=final_user and j == len(pieces) - 1, uncached=why)
+            at = 0
+            for a, b in spans:
+                if a > at:
+                    out.append(Segment(text[at:a], "text"))
+                out.append(Segment(text[a:b], "document"))
+                at = b
+            if at < len(text):
+                out.append(Segment(text[at:], "text"))
+        return out
 
     def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
         """Token ids and states for ``segments``: the prefix and the documents from the store
         (encoded now if missing), the rest as new tokens."""
-        # 1. group: plain runs tokenized together, documents with the whitespace after them
-        groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", text)
+        uncached = list(getattr(segments, "uncached", ()))
+        # 1. group: plain runs tokenized together; documents with the separator after them where
+        # the prompt has it (else their states without it, and what follows is read as written)
+        groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
         segs = list(segments)
         i = 0
         while i < len(segs):
             s = segs[i]
             if s.kind == "document":
                 i += 1
-                if i < len(segs) and segs[i].kind == "text":  # the separator belongs to the document
-                    segs[i] = Segment(segs[i].text.lstrip(), "text")
-                groups.append(("document", [s.text]))
+                whole = i < len(segs) and segs[i].kind == "text" and segs[i].text.startswith(DOC_SEPARATOR)
+                if whole:  # the separator belongs to the document
+                    segs[i] = Segment(segs[i].text[len(DOC_SEPARATOR):], "text")
+                groups.append(("document", [s.text, whole]))
                 continue
             if s.kind == "cut":
                 groups.append(("cut", []))
@@ -381,29 +403,34 @@ class Assembler:
         n_docs = sum(1 for g in groups if g[0] == "document")
         if n_docs:
             groups = [g for g in groups if g[0] != "cut"]
-        # 2. ids per group; the prefix is everything before the first document (or the cut)
-        pieces: list[tuple[str, list[int]]] = []
+        # 2. ids per group; the prefix is everything before the first document (or the cut).
+        # A piece is (kind, ids the prompt reads, ids whose stored states hold them): a document
+        # read without its separator reads a head of its stored states.
+        pieces: list[tuple[str, list[int], list[int]]] = []
         for kind, body in groups:
             if kind == "document":
-                pieces.append(("document", self.doc_ids(body[0])))
+                stored = self.doc_ids(body[0])
+                read = stored if body[1] else self.doc_body(stored, body[0])
+                pieces.append(("document", read, stored if read == stored[: len(read)] else read))
                 self.pc.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
             elif kind == "cut":
-                pieces.append(("cut", []))
+                pieces.append(("cut", [], []))
             else:
-                pieces.append(("plain", self.pc.safe.segments(body)))
+                ids = self.pc.safe.segments(body)
+                pieces.append(("plain", ids, ids))
         bos = bos_ids(self.pc.tokenizer)
         first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
-        prefix = bos + [t for _, ids in pieces[:first] for t in ids]
+        prefix = bos + [t for _, ids, _ in pieces[:first] for t in ids]
         body = [p for p in pieces[first:] if p[0] != "cut"]
         last = max((j for j, p in enumerate(body) if p[0] == "document"), default=-1)
-        tail = [t for _, ids in body[last + 1 :] for t in ids]
-        mid = [ids for _, ids in body[: last + 1] if ids]
+        tail = [t for _, ids, _ in body[last + 1 :] for t in ids]
+        mid = [(ids, stored) for _, ids, stored in body[: last + 1] if ids]
         if not tail:  # a prompt that ends with a document: its last piece is computed
             if mid:
-                tail = mid.pop()
+                tail = mid.pop()[0]
             else:
                 tail, prefix = prefix, []
-        total = len(prefix) + sum(map(len, mid)) + len(tail)
+        total = len(prefix) + sum(len(ids) for ids, _ in mid) + len(tail)
         if total + max_new_tokens > self.pc.max_positions:
             raise ContextOverflowError(
                 f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
@@ -414,14 +441,15 @@ class Assembler:
                      total, total - len(prefix))
             # one constant text: the warnings filter shows it once per process, at any prompt length
             warnings.warn(
-                "a prompt held no marked document and no known one (ingested, retrieved by a pcache retriever, "
-                "encoded before by Assembler.ensure or a connector's encoder), so only its prefix came from the "
-                "cache: ingest or encode the documents first, or mark them with pcache_rag.frameworks.format_documents "
-                "(LangChain: format_docs; LlamaIndex: PromptCacheSynthesizer)",
+                "a prompt held no marked document, no known one (ingested, retrieved by a pcache retriever, "
+                f"encoded before) and no block that can be learned as one (at least {MIN_CHARS} characters between blank "
+                "lines, not a message's first block nor the question's), so only its prefix came from the "
+                "cache: put blank lines around the documents, ingest or encode them first, or mark them with "
+                "pcache_rag.frameworks.format_documents (LangChain: format_docs; LlamaIndex: PromptCacheSynthesizer)",
                 PCacheFallbackWarning, stacklevel=4,
             )
         if not mid and not prefix:  # nothing to reuse: one full prefill
-            return _Plan([], tail, total, 0, 0)
+            return _Plan([], tail, total, 0, 0, uncached)
         # 3. states
         parts: list[tuple[str, ModuleKV]] = []
         encoded = 0
@@ -435,15 +463,16 @@ class Assembler:
                 encoded += len(prefix)
             parts.append(("prefix", kv))
         pos = len(prefix)
-        for j, ids in enumerate(mid):
-            kv, new = self.states(ids)
+        for j, (ids, stored) in enumerate(mid):
+            kv, new = self.states(stored)
+            kv = kv.head(len(ids))
             encoded += len(ids) if new else 0
             if pos != self.start:
                 kv, new = self.place(kv, pos)
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
             pos += len(ids)
-        return _Plan(parts, tail, total, encoded, n_docs)
+        return _Plan(parts, tail, total, encoded, n_docs, uncached)
 
     def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         t0 = time.perf_counter()
@@ -463,7 +492,7 @@ class Assembler:
         item.total_s += prep
         cached = max(item.cached_tokens - plan.encoded, 0)
         yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
-                           plan.documents)
+                           plan.documents, plan.uncached)
 
     def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).

@@ -88,6 +88,15 @@ class Segment:
     kind: SegmentKind
 
 
+class Segments(list):
+    """A prompt as :class:`Segment` s, and ``uncached``: why text that could have been a
+    document was computed (:meth:`pcache_rag.discovery.Uncached.reasons`; empty when nothing was)."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.uncached: list[str] = []
+
+
 def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
              stop=None, grammar: str | None = None) -> dict:
     """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy;

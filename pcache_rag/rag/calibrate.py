@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.attention import Calibration
-from ..recompute import RAG_RECOMPUTE
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +181,6 @@ def resolve_calibration(arg: str | None, manifest: dict, fingerprint: str) -> tu
 
 
 _warned: set[tuple[str, str]] = set()
-
-
-def rag_recompute(arg: str | None, calibration: str | None) -> str | None:
-    """The policy a ``CachedRAG(recompute=arg)`` answers with: ``"auto"`` is :data:`RAG_RECOMPUTE`,
-    or nothing where the index's ``calibration`` is in force (the two do not combine); ``None``
-    leaves it to the engine; anything else is itself."""
-    if arg != "auto":
-        return arg
-    return None if calibration is not None else RAG_RECOMPUTE
 
 
 def answer_settings(gen: dict, recompute: str | None, calibration: str | None) -> dict:

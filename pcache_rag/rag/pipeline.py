@@ -41,13 +41,13 @@ from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
 from ..kv import ModuleKV
 from ..models.attention import Calibration
-from ..recompute import Recompute
+from ..recompute import Recompute, resolve_auto
 from . import maintenance
 from .chunking import scan
 from .embed import MiniLMEmbedder
 from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
-from .calibrate import answer_settings, rag_recompute, resolve_calibration
+from .calibrate import answer_settings, resolve_calibration
 from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
                         prefix_path, read_manifest, same_conditioning, write_manifest)
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
@@ -121,7 +121,7 @@ class CachedRAG:
     it must be a new or empty directory or an existing index (``create=False``: it must
     exist). ``chunk_tokens`` defaults to the index's own (512 for a new one); ``k`` chunks
     of that size must fit the model's context with the question. ``recompute`` sets the policy
-    for answers (``"auto"``: :func:`~.calibrate.rag_recompute`; per call: ``answer(..., recompute=)``).
+    for answers (``"auto"``: :func:`~pcache_rag.recompute.resolve_auto`; per call: ``answer(..., recompute=)``).
     ``kv_url`` (``"redis://host:6379/0"``) adds a remote tier that several processes or
     machines share: states encoded by one are read by the others. ``conditioning`` (``"neutral"``,
     ``"neutral:2"``) encodes every chunk after neutral passages as well as the preamble (see
@@ -376,7 +376,7 @@ class CachedRAG:
     @property
     def recompute(self) -> str | None:
         """The recompute policy answers use (None: the engine's default)."""
-        return rag_recompute(self._recompute_arg, self.calibration[0])
+        return resolve_auto(self._recompute_arg, self.calibration[0])
 
     def _answer_gen(self, gen: dict) -> dict:
         """``gen`` with this index's recompute policy and calibration."""

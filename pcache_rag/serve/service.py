@@ -330,12 +330,13 @@ class AnswerService:
         job.emit(None)
         self._slots.release()
 
-    def _plain_stream(self, job: Job):
+    def _plain_stream(self, job: Job, notes: list[str]):
         """The plain model: the prompt as sent, through the RAG index's own Assembler (its
-        documents' states, discovered in any message)."""
+        documents' states, discovered in any message; why other text was computed joins ``notes``)."""
         asm = self.rag.asm
         self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
         segs = asm.message_segments(job.messages) if job.messages is not None else asm.text_segments(job.prompt or "")
+        notes.extend(segs.uncached)
         return asm.stream_planned(segs, **job.gen)
 
     def _carries_documents(self, job: Job) -> bool:
@@ -378,7 +379,7 @@ class AnswerService:
                              "retrieval (they are read from the cache)")
                 job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
             if job.messages is not None or job.prompt is not None:
-                stream = self._plain_stream(job)
+                stream = self._plain_stream(job, notes)
             else:
                 indexed = _indexed(rag, self.ingest_state.running)
                 if self.ingest_state.running:

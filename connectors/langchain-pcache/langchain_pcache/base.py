@@ -169,7 +169,10 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     sentence of the documents, recomputed in context); ``None`` or ``"none"`` reads the cache
     alone; others: ``"epic:16"``, ``"blend:0.15"`` (see :mod:`pcache_rag.recompute`).
     ``document_preamble`` is the system prompt documents are encoded against; the prompt's
-    own system message may differ (only its prefix is encoded then).
+    own system message may differ (only its prefix is encoded then). ``learn_documents``
+    (default True): documents pasted without marks that nothing has seen are taken from the
+    prompt's blocks between blank lines, encoded on first sight and read from the cache next
+    time; ``response_metadata["uncached"]`` says why text was computed instead.
     """
 
     # a constructor argument the engine does not take (device=, top_k=, num_ctx=) is refused by
@@ -186,6 +189,8 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     recompute: str | None = "auto"
     document_preamble: str = DEFAULT_SYSTEM
+    #: take a prompt's unknown documents from its blocks (README, "Documents in any prompt")
+    learn_documents: bool = True
     #: accepted for drop-in compatibility with hosted models; a local model has no network call
     #: to time out or retry, so setting either warns that it has no effect
     timeout: float | None = None
@@ -290,7 +295,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
         turns = with_instruction([(_role(m), _content(m)) for m in messages], gen.pop("instruction"))
-        return asm.stream(asm.message_segments(turns), recompute=recompute, **gen)
+        return asm.stream(asm.message_segments(turns, learn=self.learn_documents), recompute=recompute, **gen)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -345,6 +350,8 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     stop: list[str] | None = None
     recompute: str | None = "auto"
     document_preamble: str = DEFAULT_SYSTEM
+    #: take a prompt's unknown documents from its blocks (README, "Documents in any prompt")
+    learn_documents: bool = True
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -370,7 +377,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
         gen.pop("instruction")  # a text prompt is read as written: the grammar applies, no schema is added
-        for item in asm.stream(asm.text_segments(prompt), recompute=recompute, **gen):
+        for item in asm.stream(asm.text_segments(prompt, learn=self.learn_documents), recompute=recompute, **gen):
             if not isinstance(item, str):
                 yield GenerationChunk(text="", generation_info=item.stats())
                 continue

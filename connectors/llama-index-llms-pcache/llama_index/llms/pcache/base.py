@@ -107,6 +107,8 @@ class PromptCacheLLM(CustomLLM):
     recompute: str | None = Field(default="auto", description="quality recovery policy: 'auto' (the RAG default, "
                                   "match:1), None or 'none' (the cache alone), 'epic:16', 'blend:0.15'")
     document_preamble: str = DEFAULT_SYSTEM
+    learn_documents: bool = Field(default=True, description="take a prompt's unknown documents from its blocks "
+                                  "between blank lines, encoded on first sight and read from the cache next time")
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -171,8 +173,9 @@ class PromptCacheLLM(CustomLLM):
         a formatted ``text`` prompt read exactly as written."""
         gen, recompute, instruction = self._gen(kwargs)
         asm = self.assembler
-        segs = asm.message_segments(with_instruction(turns, instruction)) if turns is not None else \
-            asm.text_segments(text or "")
+        learn = self.learn_documents
+        segs = asm.message_segments(with_instruction(turns, instruction), learn=learn) if turns is not None else \
+            asm.text_segments(text or "", learn=learn)
         return asm.stream(segs, recompute=recompute, **gen)
 
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
