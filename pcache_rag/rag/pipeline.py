@@ -376,7 +376,8 @@ class CachedRAG:
     @property
     def recompute(self) -> str | None:
         """The recompute policy answers use (None: the engine's default)."""
-        return resolve_auto(self._recompute_arg, self.calibration[0])
+        rc = resolve_auto(self._recompute_arg, self.calibration[0])
+        return None if rc is None else str(rc)
 
     def _answer_gen(self, gen: dict) -> dict:
         """``gen`` with this index's recompute policy and calibration."""
