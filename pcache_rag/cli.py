@@ -67,6 +67,13 @@ def cmd_bench(a) -> int:
         if a.json:
             print(json.dumps(raw, indent=1, default=str))
         return 0
+    if a.what == "decode":
+        from .measure.decode_bench import bench_decode
+
+        out = bench_decode(a.model, repeats=a.repeats, log=log)
+        if a.json:
+            print(json.dumps({"benchmark": "decode", **out}, indent=2))
+        return 0
     if a.what == "rag":
         from .measure.bench import bench_rag
 
@@ -403,8 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: all (the report: docs/benchmarks.md with plots), ttft (prompt "
                        "lengths), store (tiers), rag (end to end), quality (accuracy)")
-    b.add_argument("what", choices=("all", "ttft", "rag", *RETIRED_BENCHES),
-                   help="all: the report; ttft: the length sweep; rag: answers through CachedRAG "
+    b.add_argument("what", choices=("all", "ttft", "rag", "decode", *RETIRED_BENCHES),
+                   help="all: the report; ttft: the length sweep; rag: answers through CachedRAG; decode: ms a "
+                        "generated token and whole answers, fp32 and smaller decode weights, against stock "
+                        "transformers and the weight-streaming floor "
                         "(store and quality are retired and say where their numbers are)")
     b.add_argument("--quick", action="store_true", help="all: tiny sizes that check the harness in a few minutes")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="all: where the model runs")

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..models.attention import calibrated
+from ..models.fast_decode import decoding
 from .types import FinishReason, GenerationOutput, PrefillResult
 
 
@@ -277,7 +278,7 @@ class Decoder:
                 key_pos = torch.cat([key_pos, pos])
                 if self.adapter.family == "alibi":  # and ALiBi's bias comes with its mask
                     allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
-            with calibrated(res.calibrated):
+            with calibrated(res.calibrated), decoding():  # a generated token: the decode weights, if any
                 logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
         seq.warn_if_cut()
         yield seq.output(res.cached_tokens, res.computed_tokens, res.recomputed_tokens, unbatched=unbatched)

@@ -28,6 +28,7 @@ from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..kv import ModuleKV, Workspace
 from ..models import adapter_for
 from ..models.attention import Calibration
+from ..models.fast_decode import use_decode_weights
 from ..pml import SchemaLayout, chat_format_for
 from ..pml.layout import PromptPlan, bos_ids
 from ..recompute import Lexicon, Recompute
@@ -79,6 +80,7 @@ class PromptCache:
         store_dtype: torch.dtype | str | None = torch.float16,
         recompute: str | Recompute = "none",
         kv_url: str | None = None,
+        decode_weights: str | None = None,
     ) -> None:
         """Wrap a loaded causal LM.
 
@@ -94,6 +96,9 @@ class PromptCache:
         ``recompute``: the default policy for prompts that assemble several units
         (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"match:N"``, ``"all"``);
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
+        ``decode_weights``: ``"int8"`` or ``"bf16"`` gives generated tokens smaller copies of the
+        linear weights (prompt tokens keep fp32), after a self-check at load
+        (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report` says what is in force).
         """
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
@@ -119,6 +124,10 @@ class PromptCache:
         self.fingerprint = model_fingerprint(
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
+        #: what ``decode_weights`` did (None: not asked for)
+        self.decode_report = None if decode_weights is None else use_decode_weights(
+            model, decode_weights, tokenizer("The ferry leaves the harbour at dawn, and the archive opens at nine.")
+            ["input_ids"])
         if getattr(self.adapter, "rerotatable", False):
             # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
             # if moved keys do not match keys encoded in place, never move states.

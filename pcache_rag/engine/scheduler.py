@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..kv import ModuleKV, RequestKV
 from ..models import UnsupportedModelError
 from ..models.attention import CalibratedSpan, Positions, RaggedStep, ragged
+from ..models.fast_decode import decoding as generated_rows
 from .decode import Decoding, SamplingParams
 from .lock import EngineLock
 from .threads import release_pool
@@ -342,7 +343,7 @@ class Scheduler:
         pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
                            dtype=torch.long, device=dev)
         ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
-        with ragged(step):
+        with ragged(step), generated_rows(len(self._live)):  # the generated tokens lead: the decode weights, if any
             logits = self.pc.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
         if step.calls == 0:
             raise UnsupportedModelError(f"{type(self.pc.model).__name__} does not run its attention through "

@@ -1,0 +1,104 @@
+"""``bench decode``: what a whole answer costs once the prompt is read, in one run.
+
+For one RAG prompt (a ~1,000-token document read from the cache, then a question) it times,
+each a median of ``repeats`` runs in one process:
+
+* stock transformers ``generate`` on the same prompt's text (fp32, full prefill, its own
+  cache): the baseline a newcomer would otherwise get;
+* the cached path with the model's fp32 weights, and with each decode-weight format
+  (:mod:`pcache_rag.models.fast_decode`), on a fresh copy of the model each;
+
+and reports, for each: time-to-first-token, milliseconds a generated token, and the whole
+answer (TTFT + ``new_tokens`` tokens), beside the **weight-streaming floor** of its format:
+the bytes of linear weights one token reads, over this machine's read bandwidth measured in
+the same run (a sum over a tensor of the fp32 weights' size). Every row decodes exactly
+``new_tokens`` tokens (end tokens are not honoured while timing).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..samples import stdlib_docs
+
+QUESTION = "Using the document above, what does this module do, and how is it used?"
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes a second this machine reads: the median time of a sum over ``nbytes`` of float32."""
+    big = torch.ones(nbytes // 4)
+    big.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc_tokens: int = 1000,
+                 repeats: int = 3, log=print) -> dict:
+    """The rows described in the module docstring, as a dict (also logged as a table)."""
+    from ..default_model import load_model
+    from ..engine import PromptCache
+    from ..frameworks import Assembler, format_documents
+
+    m, tok = load_model(model)
+    name, text = next((n, t) for n, t in stdlib_docs(min_chars=doc_tokens * 8) if len(t) > doc_tokens * 4)
+    doc = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:doc_tokens])
+    turns = [("user", f"Documents:\n\n{format_documents([doc])}\n\nQuestion: {QUESTION}")]
+    linear_bytes = sum(x.weight.numel() * x.weight.element_size() for x in m.modules()
+                       if isinstance(x, torch.nn.Linear))
+    bw = read_bandwidth(linear_bytes)
+    rows: list[dict] = []
+
+    # stock transformers on the prompt's text: full prefill, its own cache
+    plain = tok.apply_chat_template([{"role": r, "content": c.replace("\ue000", "").replace("\ue001", "")}
+                                     for r, c in turns], add_generation_prompt=True, return_tensors="pt",
+                                    return_dict=True)["input_ids"]
+    gen = dict(do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        m.generate(plain, max_new_tokens=2, **gen)
+        ttft = statistics.median(_timed(lambda: m.generate(plain, max_new_tokens=1, **gen)) for _ in range(repeats))
+        whole = statistics.median(_timed(lambda: m.generate(plain, min_new_tokens=new_tokens,
+                                                            max_new_tokens=new_tokens, **gen))
+                                  for _ in range(repeats))
+    rows.append(_row("transformers generate (fp32, full prefill)", ttft, whole, new_tokens, linear_bytes, bw))
+    for fmt in (None, *formats):
+        mm, _ = load_model(model)
+        pc = PromptCache(mm, tok, decode_weights=fmt)
+        rep = pc.decode_report
+        if fmt is not None and (rep is None or rep.fmt != fmt):
+            log(f"{fmt}: refused ({rep.refused if rep else 'no report'})")
+            continue
+        pc.eos_ids = set()  # every row decodes exactly new_tokens tokens
+        asm = Assembler(pc, conditioning="none")
+        segs = asm.message_segments(turns)
+        asm.generate(segs, max_new_tokens=2)  # encodes the document once
+        outs = [asm.generate(segs, max_new_tokens=new_tokens).output for _ in range(repeats)]
+        ttft = statistics.median(o.ttft_s for o in outs)
+        whole = statistics.median(o.total_s for o in outs)
+        nbytes = linear_bytes if fmt is None else rep.small_bytes  # type: ignore[union-attr]
+        rows.append(_row(f"pcache-rag, cached, {fmt or 'fp32'} decode weights", ttft, whole, new_tokens, nbytes, bw))
+    base = rows[0]
+    log(f"decode, one run: a {doc_tokens}-token document ({name}) and a question; {new_tokens} new tokens; "
+        f"medians of {repeats}; read bandwidth {bw / 1e9:.1f} GB/s")
+    log(f"{'':52} {'TTFT':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'answer':>8} {'vs stock':>9}")
+    for r in rows:
+        log(f"{r['name']:52} {r['ttft_s'] * 1e3:7.0f}ms {r['ms_per_token']:9.1f} {r['floor_ms']:7.1f} "
+            f"{r['ms_per_token'] / r['floor_ms']:8.1f} {r['answer_s']:7.2f}s {base['answer_s'] / r['answer_s']:8.1f}x")
+    return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _row(name: str, ttft: float, whole: float, n: int, nbytes: int, bw: float) -> dict:
+    return {"name": name, "ttft_s": ttft, "answer_s": whole, "ms_per_token": (whole - ttft) / (n - 1) * 1e3,
+            "weight_bytes": nbytes, "floor_ms": nbytes / bw * 1e3}

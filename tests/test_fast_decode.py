@@ -1,0 +1,82 @@
+"""Decode weights (:mod:`pcache_rag.models.fast_decode`): generated tokens read int8 or bf16
+copies of the linear weights, prompt tokens the model's own fp32 ones; a request decodes the
+same alone or in a batch; a format that cannot run or fails its self-check is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pcache_rag import PromptCache
+from pcache_rag.models.fast_decode import DecodeLinear, decoding, use_decode_weights
+
+from helpers import contiguous_parts, tiny_model
+
+TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
+         " A heron stood in the shallow river, watching the silver fish below.",
+         " The library keeps maps of the old harbour in its basement archive."]
+
+
+@pytest.fixture(scope="module", params=["int8", "bf16"])
+def fast(request, smol_tok):
+    """(an engine with decode weights, the same model without them)."""
+    model = tiny_model("llama", len(smol_tok), seed=3)
+    plain = copy.deepcopy(model)
+    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights=request.param)
+    return pc, plain
+
+
+def test_only_generated_rows_read_the_decode_weights(fast):
+    pc, plain = fast
+    rep = pc.decode_report
+    assert rep.fmt in ("int8", "bf16") and rep.layers == 2 * 7 + 1 and rep.refused == ""
+    assert rep.small_bytes * (4 if rep.fmt == "int8" else 2) == pytest.approx(rep.fp32_bytes, rel=0.05)  # int8: + one scale a row
+    assert all(isinstance(m, DecodeLinear) for m in (pc.model.lm_head, pc.model.model.layers[0].mlp.down_proj))
+    assert pc.model.lm_head.weight is pc.model.model.embed_tokens.weight or not pc.model.config.tie_word_embeddings
+    ids = torch.tensor([[5, 17, 99, 4, 250]])
+    with torch.no_grad():
+        want = plain(input_ids=ids, use_cache=False).logits[0]
+        prompt = pc.model(input_ids=ids, use_cache=False).logits[0]
+        with decoding():
+            small = pc.model(input_ids=ids, use_cache=False).logits[0]
+    assert torch.equal(prompt, want), "outside decoding() the model is its fp32 self, bit for bit"
+    assert 0 < float((small - want).norm() / want.norm()) < 0.05
+    # a batch step: the leading rows are generated tokens, the rest prompt rows
+    lin = pc.model.model.layers[1].mlp.up_proj
+    x = torch.randn(1, 5, lin.in_features)
+    with decoding(2):
+        mixed = lin(x)
+    with decoding():
+        all_small = lin(x)
+    assert torch.equal(mixed[0, :2], all_small[0, :2])
+    assert torch.equal(mixed[0, 2:], torch.nn.functional.linear(x[0, 2:], lin.weight))
+
+
+def test_a_request_decodes_the_same_alone_and_in_a_batch(fast, smol_tok):
+    pc, _ = fast
+    reqs = [contiguous_parts(pc, TEXTS[i:] + TEXTS[:i], q) for i, q in
+            enumerate([" Which code opens it?", " What did the heron watch?", " Where are the maps?"])]
+    batch = pc.generate_parts_batch([(p, n, None, None) for p, n in reqs], max_new_tokens=8)
+    for (p, n), got in zip(reqs, batch):
+        one = pc.generate_parts(p, n, max_new_tokens=8)
+        assert got.token_ids == one.token_ids and got.decode_batch == len(reqs)
+    assert len({tuple(b.token_ids) for b in batch}) > 1
+
+
+def test_decode_weights_are_refused_by_name(smol_tok, monkeypatch, caplog):
+    import pcache_rag.models.fast_decode as fd
+
+    model = tiny_model("llama", len(smol_tok), seed=3)
+    with pytest.raises(ValueError, match="decode_weights must be one of"):
+        use_decode_weights(model, "int4", [1, 2, 3])
+    monkeypatch.setattr(fd, "MAX_REL_ERROR", 0.0)  # nothing passes: the model must keep fp32
+    with caplog.at_level("WARNING", logger="pcache_rag.models.fast_decode"):
+        rep = use_decode_weights(model, "int8", [5, 17, 99, 4])
+    assert rep.fmt is None and "failed the self-check" in rep.refused and rep.rel_error > 0
+    assert "decode weights refused" in caplog.text
+    assert not any(isinstance(m, DecodeLinear) for m in model.modules()), "the fp32 layers are back"
+    half = tiny_model("llama", len(smol_tok), seed=3).to(torch.bfloat16)
+    rep = use_decode_weights(half, "int8", [5, 17, 99, 4])
+    assert rep.fmt is None and "not float32" in rep.refused
