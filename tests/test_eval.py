@@ -178,6 +178,27 @@ def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
     assert text.count("| oracle:fact") == 2  # the main table and the appendix's
 
 
+def test_the_agreement_floor_is_full_prefill_with_the_documents_reordered(smol_dir, smol_tok, tmp_path):
+    """``full-reordered`` prefills the same documents in the reverse order: the same tokens in
+    another order (synthetic and rag sets), decoded apart from ``full``; its agreement with full
+    prefill is printed under each table as the floor of every agreement figure."""
+    from pcache_rag.measure.quality import REORDERED, _Synthetic, build_sets, run_eval, write_report
+    from pcache_rag.default_model import load_model
+
+    m, tok = load_model(str(smol_dir))
+    syn = _Synthetic(m, tok)
+    q = build_sets(tok, 1, 48)["plain"][0]
+    full, again = (syn.request(mode, q)[1] for mode in ("full", REORDERED))
+    assert sorted(full) == sorted(again) and full != again, "the same tokens, the documents in another order"
+    s = run_eval(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=("full", REORDERED, "preamble"),
+                 sets=("plain", "rag"), out_dir=None, log=lambda *a: None)
+    for rows in s["sets"].values():
+        assert rows[REORDERED]["median_prompt_tokens"] == rows["full"]["median_prompt_tokens"]
+        assert rows[REORDERED]["recomputed_fraction"] == 1.0 and 0 <= rows[REORDERED]["agreement"] <= 1
+    md, _ = write_report(s, tmp_path)
+    assert md.read_text().count("Agreement floor: full prefill agrees with itself on") == 2
+
+
 def test_int8_modes_read_the_same_states_quantized(smol_tok):
     """``MODE@int8`` reads the documents of ``MODE`` quantized as the int8 store keeps them (the
     comparison `bench quality` used to make): same prompts, states within int8's rounding,
