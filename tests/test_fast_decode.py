@@ -70,13 +70,13 @@ def test_decode_weights_are_refused_by_name(smol_tok, monkeypatch, caplog):
 
     model = tiny_model("llama", len(smol_tok), seed=3)
     with pytest.raises(ValueError, match="decode_weights must be one of"):
-        use_decode_weights(model, "int4", [1, 2, 3])
+        use_decode_weights(model, "int4", smol_tok)
     monkeypatch.setattr(fd, "MAX_REL_ERROR", 0.0)  # nothing passes: the model must keep fp32
     with caplog.at_level("WARNING", logger="pcache_rag.models.fast_decode"):
-        rep = use_decode_weights(model, "int8", [5, 17, 99, 4])
+        rep = use_decode_weights(model, "int8", smol_tok)
     assert rep.fmt is None and "failed the self-check" in rep.refused and rep.rel_error > 0
     assert "decode weights refused" in caplog.text
     assert not any(isinstance(m, DecodeLinear) for m in model.modules()), "the fp32 layers are back"
     half = tiny_model("llama", len(smol_tok), seed=3).to(torch.bfloat16)
-    rep = use_decode_weights(half, "int8", [5, 17, 99, 4])
+    rep = use_decode_weights(half, "int8", smol_tok)
     assert rep.fmt is None and "not float32" in rep.refused

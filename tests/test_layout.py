@@ -19,6 +19,7 @@ FOREIGN_PRIVATE = {
     "_llm",  # llama_index Settings: reading Settings.llm would resolve (and try to reach) OpenAI
     "_streaming", "_context_prompt_template", "_system_prompt",  # llama_index base classes: a subclass reads its own inherited state
     "_scaled_dot_product_flash_attention_for_cpu",  # torch: the CPU flash kernel, the one that returns the log-sum-exp
+    "_weight_int8pack_mm",  # torch: the weight-only int8 matmul kernel (torchao's and gpt-fast's on CPU)
     "_identifier_to_system",  # chromadb: its client cache, cleared so a reopened index is read afresh
     "_sql",  # diskcache: its SQL connection, for the one consistency query it has no API for
 }

@@ -96,9 +96,8 @@ class PromptCache:
         ``recompute``: the default policy for prompts that assemble several units
         (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"match:N"``, ``"all"``);
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
-        ``decode_weights``: ``"int8"`` or ``"bf16"`` gives generated tokens smaller copies of the
-        linear weights (prompt tokens keep fp32), after a self-check at load
-        (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report` says what is in force).
+        ``decode_weights``: ``"int8"`` or ``"bf16"`` copies of the linear weights for generated tokens
+        only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`).
         """
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
@@ -125,9 +124,7 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         #: what ``decode_weights`` did (None: not asked for)
-        self.decode_report = None if decode_weights is None else use_decode_weights(
-            model, decode_weights, tokenizer("The ferry leaves the harbour at dawn, and the archive opens at nine.")
-            ["input_ids"])
+        self.decode_report = None if decode_weights is None else use_decode_weights(model, decode_weights, tokenizer)
         if getattr(self.adapter, "rerotatable", False):
             # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
             # if moved keys do not match keys encoded in place, never move states.
@@ -173,11 +170,8 @@ class PromptCache:
         dtype: torch.dtype | str | None = None,
         **kwargs,
     ) -> PromptCache:
-        """Load a model and wrap it. With no name: the embedded SmolLM2-135M-Instruct.
-
-        ``name_or_path`` may be a local Hugging Face model folder or a ``.gguf``
-        file. Nothing is ever downloaded.
-        """
+        """Load a model and wrap it (no name: the embedded SmolLM2-135M-Instruct). ``name_or_path`` may be
+        a local Hugging Face model folder or a ``.gguf`` file; nothing is ever downloaded."""
         from ..default_model import load_model
 
         model, tok = load_model(name_or_path, device=device, dtype=dtype)
@@ -255,11 +249,8 @@ class PromptCache:
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, prompt_pml: str, reserve: int = 0, recompute: str | Recompute | None = None) -> PrefillResult:
-        """Assemble the imported states and compute only the new tokens (plus the context
-        tokens the ``recompute`` policy selects; default: the engine's).
-
-        ``reserve`` leaves room in the workspace for that many generated tokens.
-        """
+        """Assemble the imported states and compute only the new tokens (plus the context tokens the
+        ``recompute`` policy selects; default: the engine's); ``reserve`` leaves room for generated ones."""
         policy = self.policy(recompute)
         with self._lock:
             return self._prefill_prompt(prompt_pml, reserve, policy)

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 DECODE_WEIGHTS = ("int8", "bf16")
 #: the self-check's bounds: the decode path's logits against fp32's on a fixed prompt
 MAX_REL_ERROR = 0.05
+#: the self-check's prompt
+CHECK_TEXT = "The ferry leaves the harbour at dawn, and the archive opens at nine."
 
 _local = threading.local()
 
@@ -120,9 +122,9 @@ def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.n
     return out
 
 
-def use_decode_weights(model: torch.nn.Module, fmt: str, check_ids: list[int]) -> DecodeWeightsReport:
+def use_decode_weights(model: torch.nn.Module, fmt: str, tokenizer) -> DecodeWeightsReport:
     """Give ``model``'s linear layers ``fmt`` (:data:`DECODE_WEIGHTS`) decode weights, after a
-    self-check on ``check_ids`` (a few token ids): the logits of every position computed through
+    self-check on :data:`CHECK_TEXT` (by ``tokenizer``): the logits of every position computed through
     the decode weights against fp32's, within :data:`MAX_REL_ERROR` and with the same top token
     at the last position. A format the device cannot run, or one that fails the check, is
     refused: the model keeps fp32, the report says why and a warning is logged."""
@@ -147,7 +149,7 @@ def use_decode_weights(model: torch.nn.Module, fmt: str, check_ids: list[int]) -
         new = DecodeLinear(lin, fmt)
         setattr(parent, name, new)
         swapped.append((parent, name, lin, new))
-    ids = torch.tensor([check_ids], dtype=torch.long, device=w.device)
+    ids = torch.tensor([tokenizer(CHECK_TEXT)["input_ids"]], dtype=torch.long, device=w.device)
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits[0].float()  # (T, vocab)
         with decoding():
