@@ -332,7 +332,7 @@ def cmd_eval(a) -> int:
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
                        checkpoint=a.checkpoint, workdir=a.workdir, prefix=a.prefix, learn_steps=a.learn_steps,
-                       question_template=a.question_template)
+                       question_template=a.question_template, decode_weights=a.decode_weights)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
         for m, r in rows.items():
@@ -550,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cond:learned's learned prefix (a .safetensors file); learned first and written there when "
                         "absent (default: next to the checkpoint, or kept in memory)")
     e.add_argument("--learn-steps", type=_positive, default=96, help="steps when cond:learned learns its prefix")
+    e.add_argument("--decode-weights", choices=("int8", "bf16"), default=None,
+                   help="decode every answer with these weights (prompts keep fp32), against a run without")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 

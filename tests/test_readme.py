@@ -51,6 +51,36 @@ def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
     assert last_output(smol).cached_tokens > 0
 
 
+CONNECTORS = Path(__file__).resolve().parents[1] / "connectors"
+
+
+def _connector_block(name: str) -> str:
+    text = (CONNECTORS / name / "README.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_langchain_connectors_quick_start_runs(smol, capsys):
+    """Its stock chain: the second question reads the documents the first one's prompt taught."""
+    from pcache_rag import PromptCache
+    from pcache_rag.frameworks import register_engine
+
+    register_engine(PromptCache(smol.model, smol.tokenizer))  # the default config: a fresh in-memory engine
+    exec(compile(_connector_block("langchain-pcache"), "langchain-pcache/README.md", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "23:40" in lines[0]
+    assert "'cache_read': 0}" in lines[0] and "'cache_read': 0}" not in lines[1] and lines[1].endswith(" []")
+
+
+def test_the_llamaindex_connectors_quick_start_runs(smol, capsys):
+    from pcache_rag.frameworks import register_engine
+
+    register_engine(smol)
+    exec(compile(_connector_block("llama-index-llms-pcache"), "llama-index-llms-pcache/README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "4417" in out and "07:45" in out and "'cached_tokens'" in out
+    assert last_output(smol).cached_tokens > 0
+
+
 def test_structured_output_example_runs(smol, capsys):
     import textwrap
 

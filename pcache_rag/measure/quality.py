@@ -702,14 +702,16 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
              sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
              out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None,
              split: str = "reporting", prefix: str | Path | None = None, learn_steps: int = 96,
-             question_template: str | None = None) -> dict:
+             question_template: str | None = None, decode_weights: str | None = None) -> dict:
     """Run every mode on the same questions of ``split`` (``tuning`` to choose settings,
     ``reporting`` to report them); returns the results (also written to ``out_dir``).
     ``cond:learned`` reads the learned prefix at ``prefix`` (a file); where there is none it is
     learned first (:func:`learn_eval_prefix`, ``learn_steps`` steps) and written there (or next
     to the checkpoint), so a resumed run uses the same one. ``question_template`` replaces the
     text after the documents (``"Question: {question}"``) on the synthetic sets: a framework's own
-    prompt (:data:`QUESTION_TEMPLATES` names LlamaIndex's), whose words join the question's."""
+    prompt (:data:`QUESTION_TEMPLATES` names LlamaIndex's), whose words join the question's.
+    ``decode_weights`` (``"int8"``, ``"bf16"``) decodes every mode's answer with those weights
+    (:mod:`pcache_rag.models.fast_decode`), to set against a run without them on the same questions."""
     import tempfile
 
     import torch
@@ -737,9 +739,15 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     _split(split)
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
+    if decode_weights is not None:
+        from ..models.fast_decode import use_decode_weights
+
+        rep = use_decode_weights(model, decode_weights, tok)
+        if rep.fmt is None:
+            raise RuntimeError(rep.refused)
     t_start = time.perf_counter()
     config = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
-              "split": split, "modes": list(modes),
+              "split": split, "modes": list(modes), **({"decode_weights": decode_weights} if decode_weights else {}),
               "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
     syn = _Synthetic(model, tok)
