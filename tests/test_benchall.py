@@ -8,7 +8,8 @@ import pytest
 
 from pcache_rag.cli import main
 
-FIGURES = ("length", "fraction", "recompute", "size", "encoding", "ingest", "scaffold", "memory", "concurrency")
+FIGURES = ("length", "fraction", "recompute", "size", "encoding", "ingest", "scaffold", "memory", "concurrency",
+           "decode")
 
 
 @pytest.mark.slow  # every figure of the benchmark at quick sizes: minutes on a 2-core CPU; `make test-slow`
@@ -48,6 +49,8 @@ def test_bench_all_quick_writes_every_figure(smol_dir, tmp_path, capsys):
     conc = raw["figures"]["concurrency"]["rows"]
     assert [r[0] for r in conc] == [1, 2] and all(r[8] == f"{r[0]}/{r[0]}" for r in conc)  # same answers batched
     assert "throughput, continuous batching against the queue" in heads
+    dec = [r[0] for r in raw["figures"]["decode"]["rows"]]
+    assert dec[0].startswith("transformers generate") and any("int8" in n for n in dec), dec
     sc = {r[0]: r for r in raw["figures"]["scaffold"]["rows"]}
     assert set(sc) == {"full prefill", "separate modules", "scaffold"} and sc["scaffold"][2] == 2
 

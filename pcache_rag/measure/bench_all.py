@@ -75,12 +75,14 @@ class Sizes:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     load_new_tokens: int = 24
     load_doc_tokens: int = 256
+    decode_doc_tokens: int = 1000
+    decode_new_tokens: int = 64
 
 
 QUICK = Sizes(lengths=(128, 256), repeats=1, fraction_tokens=256, fractions=(0.0, 0.5, 1.0), size_lengths=(128,),
               size_models=("tiny-a", "tiny-b"), chunk_sizes=(64, 128), batch_sizes=(1, 2), ingest_files=3,
               scaffold_questions=2, doc_tokens=64, recompute_tokens=256, recompute_modes=("none", "epic:4"),
-              concurrency=(1, 2), load_new_tokens=4, load_doc_tokens=32)
+              concurrency=(1, 2), load_new_tokens=4, load_doc_tokens=32, decode_doc_tokens=64, decode_new_tokens=4)
 
 #: Llama shapes for the size sweep: public models' shapes (random weights, no download) and
 #: two tiny ones for ``--quick``. (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -627,6 +629,27 @@ def fig_memory(model, tok, ingest: dict, log) -> Figure:
     return fig
 
 
+def fig_decode(model_path, sz: Sizes, log) -> Figure:
+    """A whole answer: ms a generated token against the weight-streaming floor, stock
+    transformers against the cached path with fp32, bf16 and int8 decode weights
+    (:func:`pcache_rag.measure.decode_bench.bench_decode`)."""
+    from .decode_bench import bench_decode
+
+    res = bench_decode(model_path, new_tokens=sz.decode_new_tokens, doc_tokens=sz.decode_doc_tokens,
+                       repeats=sz.repeats, log=lambda *a: log("[decode]", *a))
+    fig = Figure("decode", f"Decoding: ms a token and a whole answer ({sz.decode_new_tokens} new tokens)",
+                 ["path", "TTFT ms", "ms a token", "floor ms", "x floor", "answer s", "answer speed-up"])
+    base = res["rows"][0]["answer_s"]
+    for r in res["rows"]:
+        fig.rows.append([r["name"], r["ttft_s"] * 1e3, r["ms_per_token"], r["floor_ms"],
+                         r["ms_per_token"] / r["floor_ms"], r["answer_s"], base / r["answer_s"]])
+    fig.notes.append(f"A {res['doc_tokens']}-token document read from the cache and a question; every row decodes "
+                     f"exactly {res['new_tokens']} tokens. The floor is the linear weights' bytes a token over the "
+                     f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). Decode weights are "
+                     "opt-in (PromptCache(decode_weights=...)); prompt tokens keep fp32.")
+    return fig
+
+
 # ---------------------------------------------------------------------------- plots and report
 
 
@@ -697,6 +720,13 @@ def _plot(fig: Figure, out: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("answers per second")
+    elif fig.key == "decode":
+        names = [r[0].replace("pcache-rag, cached, ", "").replace(" decode weights", "") for r in fig.rows]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [r[2] for r in fig.rows], width=0.4, label="ms a token")
+        ax.bar([x + 0.2 for x in xs], [r[3] for r in fig.rows], width=0.4, label="weight-streaming floor")
+        ax.set_xticks(list(xs), [n.split(" (")[0] for n in names], fontsize=7)
+        ax.set_ylabel("ms a generated token")
     elif fig.key == "memory":
         rows = [r for r in fig.rows if r[1] != ""]
         xs = range(len(rows))
@@ -865,6 +895,8 @@ def run_all(model_path=None, quick: bool = False, device: str = "cpu", out="docs
         figs.append(fig_scaffold(model, tok, sz, log))
         figs.append(fig_memory(model, tok, raw["ingest"], log))
         figs.append(fig_concurrency(model, tok, sz, device, log))
+        if device == "cpu":  # the decode weights' kernels and floor are measured on the CPU
+            figs.append(fig_decode(model_path, sz, log))
     for fig in figs:
         _plot(fig, out)
     seconds = time.perf_counter() - t0
