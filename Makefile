@@ -37,10 +37,12 @@ demo: setup
 serve: setup
 	$(BIN)/pcache-rag serve --index $${PCACHE_RAG_HOME:-$$HOME/.cache/pcache-rag}/demo-index
 
-# Learn the embedded model's conditioning prefix once (label-free, about 50 min on two cores) and
-# install it in $$PCACHE_RAG_HOME/learned, where it becomes the RAG default (README, "Learned conditioning")
+# Learn a model's conditioning prefix once (label-free, about 50 min on two cores) and install it in
+# $$PCACHE_RAG_HOME/learned, where it becomes the RAG default (README, "Learned conditioning"). The
+# embedded model's ships with the package (pcache_rag/data/learned/); this is for another MODEL=.
+MODEL ?=
 prefix: setup
-	$(BIN)/pcache-rag install-prefix
+	$(BIN)/pcache-rag install-prefix $(if $(MODEL),--model $(MODEL))
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

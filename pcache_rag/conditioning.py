@@ -18,8 +18,9 @@ is stored as safetensors with what it was trained for.
 **Installed prefixes** (``$PCACHE_RAG_HOME/learned/*.safetensors``, or bundled by a
 distribution in ``pcache_rag/data/learned/``): a prefix learned once for a model
 (``pcache-rag install-prefix``). It is the RAG default wherever its model fingerprint equals
-the engine's (:func:`installed_prefix`); other models keep the neutral passage. Tensor files
-stay out of git, so the embedded model's prefix is learned on the machine, once.
+the engine's (:func:`installed_prefix`); other models keep the neutral passage. The embedded
+model's ships in :data:`PACKAGED_DIR` (its README there says how it was made and how to make it
+again), so a fresh install answers under it with no step of its own.
 """
 
 from __future__ import annotations
