@@ -25,12 +25,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="also time a full prefill of the same text")
     a = ap.parse_args(argv)
 
-    from pcache_rag import PromptCache
-    from pcache_rag.rag import CachedRAG
+    from pcache_rag import CachedRAG, Index
 
-    index = Path(a.index or ".docqa-index")
-    pc = PromptCache.from_pretrained(a.model, cache_dir=str(index / "kv"))
-    rag = CachedRAG(index, pc=pc, k=a.k)
+    index = Index(a.index or ".docqa-index")
+    rag = CachedRAG(index, pc=index.engine(a.model), k=a.k)
     rep = rag.ingest(a.paths)
     print(f"{rag.index.count()} chunks indexed ({rep.chunks_encoded} encoded now). Ask away; empty line quits.")
     interactive = sys.stdin.isatty()

@@ -6,7 +6,7 @@ tokens. See README.md for the two commands that run everything, and docs/layout.
 for where each part lives.
 
 What users import: :class:`PromptCache` (the engine), :class:`CachedRAG` (documents in,
-answers out), :class:`Recompute`, :class:`SamplingParams`, :func:`escape`, and the errors.
+answers out), :class:`Index` (an index directory: its paths, settings and engine), :class:`Recompute`, :class:`SamplingParams`, :func:`escape`, and the errors.
 Each loads on first use (torch, transformers and chromadb are not imported by
 ``import pcache_rag``), so a connector imports in the time its framework takes.
 """
@@ -19,17 +19,17 @@ if TYPE_CHECKING:
     from .engine import ContextOverflowError, Generation, GenerationOutput, PrefillResult, PromptCache, SamplingParams
     from .models import UnsupportedModelError
     from .pml import PMLError, escape
-    from .rag import CachedRAG, IngestTooLargeError
+    from .rag import CachedRAG, Index, IngestTooLargeError
     from .recompute import Recompute
 
 __version__ = "0.1.0"
 
 _LAZY = {"PromptCache": "engine", "SamplingParams": "engine", "Generation": "engine", "GenerationOutput": "engine",
          "PrefillResult": "engine", "ContextOverflowError": "engine", "UnsupportedModelError": "models",
-         "PMLError": "pml", "escape": "pml", "Recompute": "recompute", "CachedRAG": "rag",
+         "PMLError": "pml", "escape": "pml", "Recompute": "recompute", "CachedRAG": "rag", "Index": "rag",
          "IngestTooLargeError": "rag"}
 
-__all__ = ["PromptCache", "CachedRAG", "Recompute", "SamplingParams", "Generation", "GenerationOutput",
+__all__ = ["PromptCache", "CachedRAG", "Index", "Recompute", "SamplingParams", "Generation", "GenerationOutput",
            "PrefillResult", "escape", "PMLError", "UnsupportedModelError", "ContextOverflowError",
            "IngestTooLargeError"]
 

@@ -111,23 +111,19 @@ def _positive_float(v: str) -> float:
 
 
 def _rag(a, create: bool):
-    from .engine import PromptCache
-    from .rag import CachedRAG
+    from .rag import CachedRAG, Index
 
-    from .store import default_store
-
+    index = Index(a.index, create)
     budget = int(a.disk_budget * (1 << 30)) if a.disk_budget else None
-    pc = PromptCache.from_pretrained(a.model, encoding=a.encoding, store_dtype=a.store_dtype,
-                                     store=default_store("cpu", Path(a.index).expanduser() / "kv",
-                                                         disk_budget=budget, kv_url=a.kv_url))
-    return CachedRAG(a.index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
+    pc = index.engine(a.model, encoding=a.encoding, store_dtype=a.store_dtype, disk_budget=budget, kv_url=a.kv_url)
+    return CachedRAG(index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None) or "auto",
                      conditioning=a.conditioning, retrieval=getattr(a, "retrieval", "hybrid"),
                      calibration=getattr(a, "calibration", "auto"))
 
 
 def cmd_ingest(a) -> int:
-    from .rag import check_index_dir, scan
+    from .rag import Index, scan
 
     if not a.paths and not (a.prune or a.repair):
         print("pcache-rag: give files or directories to ingest (or --prune / --repair alone)", file=sys.stderr)
@@ -136,7 +132,7 @@ def cmd_ingest(a) -> int:
     from .frameworks import parse_conditioning
 
     parse_conditioning(a.conditioning)
-    check_index_dir(a.index, create=True)
+    Index(a.index, create=True)
     scan(a.paths, exclude=[a.index])
     rag = _rag(a, create=True)
     rep = rag.ingest(a.paths, progress=True, encode=a.encode, prune=a.prune)
@@ -180,7 +176,7 @@ def cmd_verify(a) -> int:
 
 
 def cmd_ask(a) -> int:
-    from .rag import check_index_dir
+    from .rag import Index
 
     from .recompute import Recompute
 
@@ -188,7 +184,7 @@ def cmd_ask(a) -> int:
         print("pcache-rag: the question is empty", file=sys.stderr)
         return 2
     Recompute.parse(a.recompute)  # a bad policy is refused before the model loads
-    check_index_dir(a.index, create=False)
+    Index(a.index, create=False)
     rag = _rag(a, create=False)
     if rag.index.count() == 0:
         print(f"the index at {a.index} is empty: run `pcache-rag ingest PATH --index {a.index}` first", file=sys.stderr)
@@ -220,9 +216,9 @@ def cmd_ask(a) -> int:
 
 
 def cmd_calibrate(a) -> int:
-    from .rag import check_index_dir
+    from .rag import Index
 
-    check_index_dir(a.index, create=False)
+    Index(a.index, create=False)
     a.calibration = "auto"
     rag = _rag(a, create=False)
     if rag.index.count() == 0:
@@ -266,7 +262,7 @@ def _learn(a, rag) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .rag import check_index_dir
+    from .rag import Index
     from .recompute import Recompute
 
     try:
@@ -280,7 +276,7 @@ def cmd_serve(a) -> int:
 
     Recompute.parse(a.recompute)  # a bad policy is refused before the model loads
     new = not Path(a.index).expanduser().exists()
-    check_index_dir(a.index, create=True)
+    Index(a.index, create=True)
     rag = _rag(a, create=True)
     import os
 
@@ -300,7 +296,7 @@ def cmd_serve(a) -> int:
     n = rag.index.count()
     what = "a new, empty index: add documents on the page" if new or n == 0 else f"{n} chunks indexed"
     print(f"pcache-rag: {what} ({shown(a.index)})\n  web app: http://{a.host}:{a.port}/\n"
-          f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {Path(str(rag.pc.model.config.name_or_path)).name!r})",
+          f"  OpenAI-compatible API: http://{a.host}:{a.port}/v1 (model {rag.pc.model_name!r})",
           file=sys.stderr)
     serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
           max_batch=a.max_batch, prefill_tokens=a.prefill_tokens, max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info",

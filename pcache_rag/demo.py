@@ -29,7 +29,7 @@ def _say_conditioning(rag) -> None:
         return
     if not takes_prefix(rag.pc):
         return
-    have = installed_prefix(rag.pc.fingerprint)
+    have = installed_prefix(rag.asm.fingerprint)
     if have is None:
         print("  no learned prefix is installed for this model: `make prefix` (pcache-rag install-prefix) learns one "
               "once,\n  about 50 min on two cores, and brings cached answers closer to full prefill's (README, "
@@ -40,13 +40,12 @@ def _say_conditioning(rag) -> None:
 
 def run_demo(a) -> int:
     from .fsutil import cache_home
-    from .engine import PromptCache
-    from .rag import CachedRAG
+    from .rag import CachedRAG, Index
 
-    index = Path(a.index) if a.index else cache_home() / "demo-index"
+    index = Index(Path(a.index) if a.index else cache_home() / "demo-index")
     corpus = build_corpus(cache_home() / "sample-corpus")
     t = time.perf_counter()
-    pc = PromptCache.from_pretrained(a.model, cache_dir=str(index / "kv"))
+    pc = index.engine(a.model)
     print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
           f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}")
     rag = CachedRAG(index, pc=pc, k=4)

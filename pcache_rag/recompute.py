@@ -69,7 +69,7 @@ MATCH_MAX_TOKENS = 64
 #: the policy of answers over retrieved or marked documents (``CachedRAG(recompute="auto")``, the
 #: connectors' default, ``"auto"`` in :func:`resolve_auto`): the question's own sentence, recomputed
 #: in context (issue 20: on 100 tuning questions of competing facts it answered 47 against the
-#: learned prefix's 33 and full prefill's 45, at ~18x full prefill's TTFT; docs/quality-tuning-match.md)
+#: learned prefix's 33 and full prefill's 45, at ~18x full prefill's TTFT; docs/runs/quality-tuning-match.md)
 RAG_RECOMPUTE = "match:1"
 #: ``match``: the units whose sentences a :class:`Lexicon` keeps (~16 KB each at 400 tokens, measured;
 #: cutting a unit again costs ~3 ms)

@@ -1,5 +1,7 @@
-"""The package's shape, checked on its source: imports point down (no cycles), no module
-calls another module's private names, and no class grows past ``MAX_CLASS_LINES``."""
+"""The package's shape, checked on its source: imports point down (no cycles, counting imports
+under ``TYPE_CHECKING``), no module calls another module's private names, nothing outside the
+engine reaches through it for its parts (``x.pc.store``), an index's paths are built in one
+place, and no class grows past ``MAX_CLASS_LINES``."""
 
 from __future__ import annotations
 
@@ -37,25 +39,14 @@ def _modules(base: Path, prefix: str) -> dict[str, Path]:
 MODULES = _modules(PACKAGE, "pcache_rag")
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for sub in node.body:
-                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
-    return lines
-
-
 def _imports(name: str, path: Path) -> set[str]:
-    """The package modules ``name`` imports (at any depth of the file, outside TYPE_CHECKING)."""
+    """The package modules ``name`` imports, at any depth of the file: in a function, and under
+    ``TYPE_CHECKING`` too (a type that needs a module above is a dependency on it all the same)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = _type_checking_lines(tree)
     is_pkg = path.name == "__init__.py"
     here = name.split(".") if is_pkg else name.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("pcache_rag"):
@@ -198,3 +189,56 @@ def test_connectors_import_without_the_engine():
             "'pcache_rag.engine') if m in sys.modules))")
     got = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert got.strip().splitlines()[-1] == "[]"
+
+
+def _engine_parts() -> set[str]:
+    """The engine's parts: what ``PromptCache`` assigns to ``self`` (its store, adapter, tokenizer,
+    scheduler...). Its methods and properties are its front; a layer above is handed the part it
+    uses, and never reaches for it through the engine."""
+    tree = ast.parse((PACKAGE / "engine" / "prompt_cache.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PromptCache")
+    front = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    attrs = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return attrs - front
+
+
+def _reach_through(path: Path, parts: set[str]) -> list[str]:
+    """``x.pc.<part>`` (or ``x.engine.<part>``) chains in ``path``: a part of the engine read
+    through an object that holds the engine."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr in ("pc", "engine", "_pc", "_engine") and node.attr in parts:
+            bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+OUTSIDE_ENGINE = [p for p in MODULES.values() if "engine" not in p.relative_to(PACKAGE).parts] + \
+    [f for c in CONNECTORS for f in sorted(c.rglob("*.py"))]
+
+
+def test_nothing_outside_the_engine_reaches_through_it():
+    parts = _engine_parts()
+    assert {"store", "adapter", "tokenizer", "scheduler"} <= parts, parts  # the check looks at what it should
+    assert [b for p in OUTSIDE_ENGINE for b in _reach_through(p, parts)] == []
+
+
+def test_an_index_path_is_built_in_one_place():
+    """``<index>/kv`` and its siblings are :class:`pcache_rag.rag.Index`'s to build."""
+    names = {"kv", "chroma", "uploads"}
+    bad = []
+    for path in [*MODULES.values(), *(f for c in CONNECTORS for f in sorted(c.rglob("*.py")))]:
+        if path == PACKAGE / "rag" / "index_dir.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                    and node.right.value in names:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert bad == []
+
+
+def test_the_reach_through_check_can_fail(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f(rag):\n    return rag.pc.store, rag.pc.generate_parts, rag.engine.adapter\n")
+    assert _reach_through(f, {"store", "adapter"}) == ["m.py:2 rag.pc.store", "m.py:2 rag.engine.adapter"]

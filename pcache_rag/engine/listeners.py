@@ -33,3 +33,9 @@ class Listeners:
     def notify(self, out: GenerationOutput) -> None:
         for fn in list(self._fns):
             fn(out)
+
+    def notify_all(self, outs: list[GenerationOutput]) -> list[GenerationOutput]:
+        """:meth:`notify` each of ``outs``; returns them."""
+        for out in outs:
+            self.notify(out)
+        return outs

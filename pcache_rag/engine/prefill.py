@@ -41,6 +41,18 @@ class Prefiller:
         self.split_recompute = True
 
     @torch.no_grad()
+    def full(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, last: int = 1) -> torch.Tensor:
+        """The baseline: one causal forward over all tokens, nothing reused. Returns the last
+        logits (vocab,), or those of the ``last`` positions (last, vocab) when ``last > 1``."""
+        from transformers.cache_utils import DynamicCache
+
+        dev = self.adapter.device
+        ids = input_ids.to(dev)  # (T,)
+        pos = position_ids.to(dev) if position_ids is not None else torch.arange(ids.shape[0], device=dev)
+        out = self.adapter.forward(ids, pos, DynamicCache(), None, None, logits_to_keep=last)  # (last, vocab)
+        return out[-1] if last == 1 else out[-last:]
+
+    @torch.no_grad()
     def run(self, labels: Sequence[str], kvs: list[ModuleKV], args: Sequence[tuple[Any, Any, list[int]]],
             uncached_ids: Sequence[int], uncached_positions: Sequence[int], preamble: str | None, reserve: int,
             policy: Recompute = Recompute(), calibration: Calibration | None = None) -> PrefillResult:

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..kv import ModuleKV, Workspace
@@ -152,6 +151,11 @@ class PromptCache:
     def model_type(self) -> str:
         """The model's ``config.model_type`` (``"llama"``, ``"gpt2"``...)."""
         return str(getattr(getattr(self.model, "config", None), "model_type", "?"))
+
+    @property
+    def model_name(self) -> str:
+        """The model's folder name (what the OpenAI server calls it)."""
+        return Path(str(getattr(self.model.config, "_name_or_path", "") or "model")).name or "model"
 
     @property
     def eos_ids(self) -> set[int]:
@@ -332,7 +336,6 @@ class PromptCache:
     def _parts_prepare(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
                        cal: Calibration | None) -> Callable[[int], PrefillResult]:
         return lambda reserve: self._prefill_parts(parts, new_ids, preamble, reserve, policy, cal)
-
     def _request(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
                  cal: Calibration | None, params: SamplingParams) -> Request:
         prepare = self._parts_prepare(parts, new_ids, preamble, policy, cal)
@@ -348,8 +351,7 @@ class PromptCache:
         read as chat markup; use a PML prompt with role tags for a chat turn."""
         return self.generate_parts([], self.text_ids(text), **gen)
 
-    def stream_text(self, text: str, **gen) -> Generation:
-        """:meth:`generate_text`, streamed."""
+    def stream_text(self, text: str, **gen) -> Generation:  # :meth:`generate_text`, streamed
         return self.stream_parts([], self.text_ids(text), **gen)
 
     def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams,
@@ -383,10 +385,8 @@ class PromptCache:
             return [dataclasses.replace(o, unbatched=why) for o in outs]
         batch = [self._request(p, ids, pre, self.policy(rc), Calibration.parse(cal), params)
                  for p, ids, pre, rc, cal in reqs]
-        outs = run_batch(Scheduler(self, self._lock, max(1, len(batch)), 4096, sum(r.rows for r in batch) or 1), batch)
-        for o in outs:
-            self.listeners.notify(o)
-        return outs
+        return self.listeners.notify_all(run_batch(Scheduler(self, self._lock, max(1, len(batch)), 4096,
+                                                             sum(r.rows for r in batch) or 1), batch))
 
     # ------------------------------------------------------------------ batching
 
@@ -409,6 +409,10 @@ class PromptCache:
         self.scheduler = Scheduler(self, self._lock, max_batch, prefill_tokens, kv_budget)
         self.scheduler.start()
         return self.scheduler
+
+    def batch_stats(self) -> dict | None:
+        """The batch's statistics (None with batching off)."""
+        return self.scheduler.stats() if self.scheduler else None
 
     def stop_batching(self) -> None:
         """Back to one stream at a time; requests still in the batch get an error."""
@@ -439,16 +443,10 @@ class PromptCache:
 
     # ------------------------------------------------------------------ baselines
 
-    @torch.no_grad()
     def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                      last: int = 1) -> torch.Tensor:
-        """The baseline: one causal forward over all tokens, nothing reused. Returns the last
-        logits (vocab,), or those of the ``last`` positions (last, vocab) when ``last > 1``."""
-        dev = self.adapter.device
-        ids = input_ids.to(dev)
-        pos = position_ids.to(dev) if position_ids is not None else torch.arange(ids.shape[0], device=dev)
-        out = self.adapter.forward(ids, pos, DynamicCache(), None, None, logits_to_keep=last)
-        return out[-1] if last == 1 else out[-last:]
+        """The baseline: one causal forward over all tokens, nothing reused (:meth:`Prefiller.full`)."""
+        return self.prefiller.full(input_ids, position_ids, last)
 
     def stats(self) -> dict:
         """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, what

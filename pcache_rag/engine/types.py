@@ -16,7 +16,7 @@ from ..models.attention import CalibratedSpan
 #: how a module's tokens are encoded: alone (the paper) or after the schema's preamble
 Encoding = Literal["isolated", "preamble"]
 ENCODINGS: tuple[Encoding, ...] = ("isolated", "preamble")
-DEFAULT_ENCODING: Encoding = "preamble"  # measured better than "isolated": `pcache-rag eval quality`, README
+DEFAULT_ENCODING: Encoding = "preamble"  # measured better than "isolated": `pcache-rag eval quality`, docs/guide.md
 #: why a generation ended: ``max_new_tokens`` reached, the model's end token, or a stop string
 FinishReason = Literal["length", "eos", "stop"]
 

@@ -22,7 +22,7 @@ and :class:`Assembler` splits a rendered prompt at those marks:
 Documents are encoded against one fixed preamble (``system_prompt``, the RAG
 default) whatever prefix a prompt later puts before them: changing a prompt's
 system message re-encodes only the prefix, never the corpus. The cost of that
-approximation is measured in the README ("Your own system prompt").
+approximation is measured in docs/guide.md ("Your system prompt").
 
 **Conditioned encoding** (``conditioning="neutral"`` or ``"neutral:N"``, N up to 4): each
 document is encoded after the preamble *and* fixed neutral passages
@@ -168,6 +168,11 @@ class Assembler:
     def __init__(self, pc: PromptCache, system_prompt: str = DEFAULT_SYSTEM, conditioning: str | None = "default",
                  conditioning_text: str | None = None, prefix: LearnedPrefix | None = None):
         self.pc = pc
+        # the engine's parts this class reads, handed over once: nothing here reaches through the engine
+        self.store, self.known_texts, self.encoder = pc.store, pc.known_texts, pc.encoder
+        self.safe, self.tokenizer, self.chat = pc.safe, pc.tokenizer, pc.chat
+        self.fingerprint, self.encoding, self.max_positions = pc.fingerprint, pc.encoding, pc.max_positions
+        self.store_dtype = pc.store_dtype
         if conditioning == "default":  # the model's installed learned prefix, else the neutral passage
             if prefix is None and conditioning_text is None:
                 prefix = default_prefix(pc)
@@ -236,7 +241,7 @@ class Assembler:
         """A document's ids without its separator, where the prompt has none after it: a head of
         ``ids`` (its :meth:`doc_ids`, whose stored states are then read in part) when the text
         tokenizes the same with and without it, else the text's own ids (a unit of their own)."""
-        body = self.pc.safe.text(unmark(text).strip())
+        body = self.safe.text(unmark(text).strip())
         return ids[: len(body)] if ids[: len(body)] == body else body
 
     def conditioned(self, ids: Sequence[int]) -> bool:
@@ -247,13 +252,13 @@ class Assembler:
     def key(self, ids: Sequence[int], start: int | None = None) -> str:
         """The store key of ``ids`` encoded at ``start`` (default: the canonical position)."""
         s = self.start if start is None else start
-        ctx = (self.ctx_key if self.conditioned(ids) else self.base_key) if self.pc.encoding == "preamble" else None
-        return unit_key(self.pc.fingerprint, list(ids), range(s, s + len(ids)), ctx, "rag-chunk")
+        ctx = (self.ctx_key if self.conditioned(ids) else self.base_key) if self.encoding == "preamble" else None
+        return unit_key(self.fingerprint, list(ids), range(s, s + len(ids)), ctx, "rag-chunk")
 
     def conditioned_context(self) -> ModuleKV:
         """The preamble's states followed by the conditioning passages' (which attend to the
         preamble), in the model's dtype; both stored, the pair memoized."""
-        return self.pc.encoder.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
+        return self.encoder.conditioned_context(self.base_key, self.base_ids, list(range(len(self.base_ids))),
                                                    self.ctx_key, self.cond_ids,
                                                    None if self.prefix is None else self.prefix.embeds)
 
@@ -267,20 +272,20 @@ class Assembler:
             ctx = self.conditioned_context()
             C = ctx.length
             kv = self.pc.encode(list(ids), list(range(C, C + len(ids))), context=ctx)
-            kv = self.pc.place(kv, s).to(dtype=self.pc.store_dtype)  # back to its canonical slot
+            kv = self.pc.place(kv, s).to(dtype=self.store_dtype)  # back to its canonical slot
         else:
             ctx = None
-            if self.pc.encoding == "preamble":
-                ctx = self.pc.encoder.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
-            kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.pc.store_dtype)
+            if self.encoding == "preamble":
+                ctx = self.encoder.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+            kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.store_dtype)
         if store:
-            self.pc.store.put(key, kv)
+            self.store.put(key, kv)
         return kv
 
     def states(self, ids: Sequence[int], key: str | None = None) -> tuple[ModuleKV, bool]:
         """``(states at the canonical position, whether they were encoded now)``."""
         key = key or self.key(ids)
-        kv = self.pc.store.get(key)
+        kv = self.store.get(key)
         if kv is not None:
             return kv, False
         return self.encode_ids(ids, key), True
@@ -297,11 +302,11 @@ class Assembler:
         for t in it:
             ids = self.doc_ids(t)
             k = self.key(ids)
-            if not self.pc.store.contains(k):
+            if not self.store.contains(k):
                 self.encode_ids(ids, k)
             keys.append(k)
         # found in later prompts without marks, in this process and (journalled) in others
-        self.pc.known_texts.add((unmark(t) for t in texts), keep=True)
+        self.known_texts.add((unmark(t) for t in texts), keep=True)
         return keys
 
     def place(self, kv: ModuleKV, pos: int) -> tuple[ModuleKV, bool]:
@@ -313,7 +318,7 @@ class Assembler:
         except ValueError:
             ids = kv.token_ids.tolist()
             key = self.key(ids, pos)
-            got = self.pc.store.get(key)
+            got = self.store.get(key)
             if got is not None:
                 return got, False
             return self.encode_ids(ids, key, pos), True
@@ -328,7 +333,7 @@ class Assembler:
         the system and user messages' other blocks that can be documents
         (:func:`~pcache_rag.discovery.document_spans`). Only the template's markup may produce
         control tokens. The result's ``uncached`` says why candidate text was computed."""
-        chat = self.pc.chat
+        chat = self.chat
         segs = Segments()
         why = Uncached()
         for i, (role, content) in enumerate(messages):
@@ -363,7 +368,7 @@ class Assembler:
             if marked or not discover:
                 out.append(Segment(text, "document" if marked else "text"))
                 continue
-            spans = document_spans(text, self.pc.known_texts, learn=learn, lead=j == 0,
+            spans = document_spans(text, self.known_texts, learn=learn, lead=j == 0,
                                    trail=final_user and j == len(pieces) - 1, uncached=why)
             at = 0
             for a, b in spans:
@@ -412,13 +417,13 @@ class Assembler:
                 stored = self.doc_ids(body[0])
                 read = stored if body[1] else self.doc_body(stored, body[0])
                 pieces.append(("document", read, stored if read == stored[: len(read)] else read))
-                self.pc.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
+                self.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
             elif kind == "cut":
                 pieces.append(("cut", [], []))
             else:
-                ids = self.pc.safe.segments(body)
+                ids = self.safe.segments(body)
                 pieces.append(("plain", ids, ids))
-        bos = bos_ids(self.pc.tokenizer)
+        bos = bos_ids(self.tokenizer)
         first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
         prefix = bos + [t for _, ids, _ in pieces[:first] for t in ids]
         body = [p for p in pieces[first:] if p[0] != "cut"]
@@ -431,10 +436,10 @@ class Assembler:
             else:
                 tail, prefix = prefix, []
         total = len(prefix) + sum(len(ids) for ids, _ in mid) + len(tail)
-        if total + max_new_tokens > self.pc.max_positions:
+        if total + max_new_tokens > self.max_positions:
             raise ContextOverflowError(
                 f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
-                f"positions, but the model takes {self.pc.max_positions}: retrieve fewer or shorter documents"
+                f"positions, but the model takes {self.max_positions}: retrieve fewer or shorter documents"
             )
         if n_docs == 0 and total > len(prefix):
             log.info("a %d-token prompt holds no known or marked document: %d of its tokens are computed",
@@ -455,11 +460,11 @@ class Assembler:
         encoded = 0
         if prefix:  # the RAG preamble itself, or another prefix: both cached by content
             key = (self.base_key if prefix == self.base_ids
-                   else unit_key(self.pc.fingerprint, prefix, range(len(prefix)), None, "prefix"))
-            kv = self.pc.store.get(key)
+                   else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix"))
+            kv = self.store.get(key)
             if kv is None:
-                kv = self.pc.encode(prefix, list(range(len(prefix)))).to(dtype=self.pc.store_dtype)
-                self.pc.store.put(key, kv)
+                kv = self.pc.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
+                self.store.put(key, kv)
                 encoded += len(prefix)
             parts.append(("prefix", kv))
         pos = len(prefix)

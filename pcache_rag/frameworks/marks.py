@@ -30,7 +30,7 @@ DEFAULT_SYSTEM = (
 #: documents) where the engine allows it; PML schemas keep the paper's semantics
 DEFAULT_CONDITIONING = "neutral"
 #: documents shorter than this are encoded without conditioning: the passage (~390 tokens)
-#: outweighs a document of a few words (README, "Conditioned encoding")
+#: outweighs a document of a few words (docs/guide.md, "Conditioned encoding")
 MIN_CONDITIONED_TOKENS = 64
 
 

@@ -135,13 +135,13 @@ def bench_rag(model_path=None, index_dir=None, k: int = 4, chunk_tokens: int = 5
     from pathlib import Path
 
     from ..samples import build_corpus
-    from ..engine import PromptCache
-    from ..rag import CachedRAG
+    from ..rag import CachedRAG, Index
 
-    index = Path(index_dir) if index_dir else Path(tempfile.mkdtemp(prefix="pcache-rag-bench-"))
-    corpus = build_corpus(index / "corpus", modules=RAG_MODULES)
-    pc = PromptCache.from_pretrained(model_path, cache_dir=str(index / "kv"))
-    rag = CachedRAG(index / "index", pc=pc, k=k, chunk_tokens=chunk_tokens)
+    work = Path(index_dir) if index_dir else Path(tempfile.mkdtemp(prefix="pcache-rag-bench-"))
+    corpus = build_corpus(work / "corpus", modules=RAG_MODULES)
+    index = Index(work / "index")
+    pc = index.engine(model_path)
+    rag = CachedRAG(index, pc=pc, k=k, chunk_tokens=chunk_tokens)
     rep = rag.ingest([corpus], progress=False)
     log(f"corpus: {rag.index.count()} chunks of <= {chunk_tokens} tokens ({rep.chunks_encoded} encoded in "
         f"{rep.seconds:.0f}s); k={k}; medians of {repeats} runs per question")

@@ -518,22 +518,23 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
 
     # ingest throughput through CachedRAG (chunking, embedding, encoding, storing)
     from .quality import Filler
-    from ..rag import CachedRAG
+    from ..rag import CachedRAG, Index
 
     corpus = workdir / "ingest-corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     fill = Filler(tok, sz.doc_tokens * 3)
     for i in range(sz.ingest_files):
         (corpus / f"doc-{i:03d}.txt").write_text(fill.passage(60_000 + i))
-    ipc = PromptCache(model, tok, cache_dir=str(workdir / "ingest-index" / "kv"))
-    rag = CachedRAG(workdir / "ingest-index", pc=ipc, chunk_tokens=sz.doc_tokens)
+    index = Index(workdir / "ingest-index")
+    ipc = index.engine(model, tok)
+    rag = CachedRAG(index, pc=ipc, chunk_tokens=sz.doc_tokens)
     t0 = time.perf_counter()
     rep = rag.ingest([corpus], progress=False)
     secs = time.perf_counter() - t0
     chunks = rep.chunks_encoded
     tokens = ipc.encoded["tokens"] - len(rag.preamble_ids)
-    disk_bytes = sum(f.stat().st_size for f in (workdir / "ingest-index").rglob("*") if f.is_file())
-    kv_bytes = sum(f.stat().st_size for f in (workdir / "ingest-index" / "kv").rglob("*") if f.is_file())
+    disk_bytes = sum(f.stat().st_size for f in index.path.rglob("*") if f.is_file())
+    kv_bytes = sum(f.stat().st_size for f in index.kv_dir.rglob("*") if f.is_file())
     rag.close()
     ingest = {"files": sz.ingest_files, "chunks": chunks, "tokens": tokens, "seconds": secs,
               "chunks_per_s": chunks / secs, "tokens_per_s": tokens / secs, "chunk_tokens": sz.doc_tokens,

@@ -526,8 +526,7 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
              encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None):
     """An ingested corpus of planted-fact files (one per question, plus plain files), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
-    from ..engine import PromptCache
-    from ..rag import CachedRAG
+    from ..rag import CachedRAG, Index
 
     qs, files, corpus = rag_corpus(tok, workdir, n, doc_tokens, seed, split)
     rags = {}
@@ -536,9 +535,9 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
         cond = f"neutral:{enc[5:]}" if enc.startswith("cond:") else "none"
         if enc == "cond:learned":  # the index keeps its own copy, as `calibrate --learn` leaves it
             cond = prefix
-        pc = PromptCache(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
-                         cache_dir=str(folder / "kv"))
-        rag = CachedRAG(folder, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
+        index = Index(folder)
+        pc = index.engine(model, tok, encoding="isolated" if enc == "isolated" else "preamble")
+        rag = CachedRAG(index, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
                         retrieval=retrieval)
         rag.ingest([corpus], progress=False)
         rags[enc] = rag
@@ -608,9 +607,8 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
     at ``k`` when its planted-fact file is among the ``k`` chunks retrieved."""
     import tempfile
 
-    from ..engine import PromptCache
     from ..default_model import load_model
-    from ..rag import CachedRAG
+    from ..rag import CachedRAG, Index
 
     model, tok = load_model(model_path)
     out: dict = {"n": n, "split": split, "doc_tokens": doc_tokens, "ks": list(ks), "modes": {}}
@@ -618,8 +616,9 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
         wd = Path(tmp)
         qs, files, corpus = rag_corpus(tok, wd, n, doc_tokens, seed, split)
         out["inputs"] = inputs_hash(qs, files)
-        pc = PromptCache(model, tok, cache_dir=str(wd / "index" / "kv"))
-        rag = CachedRAG(wd / "index", pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
+        index = Index(wd / "index")
+        pc = index.engine(model, tok)
+        rag = CachedRAG(index, pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
         rag.ingest([corpus], progress=False, encode="lazy")
         for mode in ("dense", "hybrid"):
             rag.retrieval = mode

@@ -120,8 +120,10 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
               progress: bool = True) -> CalibrationReport:
     """Measure every candidate on ``n`` prompts sampled from ``rag``'s index and return the
     report (see the module docstring); :meth:`CachedRAG.save_calibration` keeps its choice."""
-    if rag.pc.adapter.family == "alibi" or rag.pc.adapter.constrained:
-        why = "ALiBi" if rag.pc.adapter.family == "alibi" else rag.pc.adapter.constrained
+    pc = rag.pc
+    adapter = pc.adapter
+    if adapter.family == "alibi" or adapter.constrained:
+        why = "ALiBi" if adapter.family == "alibi" else adapter.constrained
         raise ValueError(f"calibration tunes calibrated attention, which models with {why} cannot use")
     k = rag.k if k is None else k
     t0 = time.perf_counter()
@@ -206,14 +208,12 @@ def calibrate_index(rag, n: int = 24, k: int | None = None, progress: bool = Tru
                     grid=None) -> CalibrationReport:
     """:func:`calibrate` on ``rag``'s index; with ``save`` the choice goes into its manifest
     (under the ingest lock), where every process serving the index sees it."""
-    from .index_dir import ingest_lock, read_manifest
-
     rag.refresh()
     rep = calibrate(rag, n=n, k=k, progress=progress, grid=DEFAULT_GRID if grid is None else grid)
     if save:
-        lock = ingest_lock(rag.index_dir)
+        lock = rag.folder.lock()
         try:
-            rag.manifest = dict(read_manifest(rag.index_dir, quiet=True) or rag.manifest)
+            rag.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
             rag.manifest["calibration"] = rep.manifest_entry()
             rag.commit()
         finally:

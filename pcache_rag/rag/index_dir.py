@@ -1,5 +1,9 @@
-"""The index directory: its manifest (what the index was built with, and the commit counter
-every process watches), the check that a path may hold an index, and the ingest lock."""
+"""The index directory, owned by :class:`Index`: where its parts live (``kv/``, ``chroma/``,
+``uploads/``, ``conditioning/``), its manifest (what the index was built with, and the commit
+counter every process watches), the check that a path may hold an index, the ingest lock, and
+the settings an index decides for whoever answers from it (conditioning, calibration, the
+recompute default). Every layer that opens an index (the CLI, the server, the demo,
+``measure/`` and both connectors) goes through :class:`Index`, so no one else builds its paths."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the class is imported where it is used (this module stays light)
+if TYPE_CHECKING:  # the classes are imported where they are used (this module stays light)
     from ..conditioning import LearnedPrefix
+    from ..engine import PromptCache
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +23,8 @@ MANIFEST = "pcache-index.json"
 FORMAT = "pcache-index-1"
 #: the folder of an index's learned conditioning prefixes (``<hash>.safetensors``)
 PREFIXES = "conditioning"
+#: the index's folders: module states (the disk tier), the chroma database, the web app's uploads
+KV, CHROMA, UPLOADS = "kv", "chroma", "uploads"
 
 
 def check_index_dir(path: str | Path, create: bool = True) -> Path:
@@ -28,13 +35,13 @@ def check_index_dir(path: str | Path, create: bool = True) -> Path:
         raise ValueError(f"the index must be a directory, but {p} is a file")
     if p.is_dir():
         names = {c.name for c in p.iterdir()}
-        ours = {MANIFEST, "chroma", "kv", ".ingest.lock", PREFIXES}
+        ours = {MANIFEST, CHROMA, KV, ".ingest.lock", PREFIXES}
         if names and not (names & ours):
             raise ValueError(
                 f"{p} holds other files and is not a pcache-rag index; point the index at a new or empty "
                 f"directory (documents are given to ingest separately)"
             )
-        if not create and not (names & {MANIFEST, "chroma"}):
+        if not create and not (names & {MANIFEST, CHROMA}):
             raise FileNotFoundError(f"{p} is not an index yet: run `pcache-rag ingest PATH... --index {p}` first")
     elif not create:
         raise FileNotFoundError(f"no index at {p}: run `pcache-rag ingest PATH... --index {p}` first")
@@ -167,3 +174,122 @@ def built_settings(index_dir: Path, manifest: dict, chunk_tokens: int | None,
     if prefix is not None:
         prefix.save(prefix_path(index_dir, prefix.spec))
     return chunk_tokens, cond
+
+
+class Index:
+    """An index directory: its paths, its manifest, and what it decides for an answer.
+
+    ``Index(path)`` validates the path (:func:`check_index_dir`; ``create=False``: it must be an
+    index already) and loads nothing. :meth:`engine` builds the :class:`~pcache_rag.PromptCache`
+    whose disk tier is this index's ``kv/`` folder; :class:`~pcache_rag.CachedRAG` and the
+    connectors take an ``Index`` (or its path) and ask it for the rest.
+    """
+
+    def __init__(self, path: str | Path | Index, create: bool = True) -> None:
+        #: the index directory (absolute, ``~`` expanded)
+        self.path: Path = path.path if isinstance(path, Index) else check_index_dir(path, create).absolute()
+
+    def __repr__(self) -> str:
+        return f"Index({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    # ------------------------------------------------------------------ where its parts live
+
+    @property
+    def kv_dir(self) -> Path:
+        """The disk tier of the module states (``<index>/kv``)."""
+        return self.path / KV
+
+    @property
+    def chroma_dir(self) -> Path:
+        """The chroma database (``<index>/chroma``)."""
+        return self.path / CHROMA
+
+    @property
+    def upload_dir(self) -> Path:
+        """Where the web app keeps uploaded files (``<index>/uploads``)."""
+        return self.path / UPLOADS
+
+    def prefix_path(self, spec: str) -> Path:
+        """Where the index keeps the learned prefix of ``spec`` (``"learned:<hash>"``)."""
+        return prefix_path(self.path, spec)
+
+    # ------------------------------------------------------------------ the manifest
+
+    def manifest(self, quiet: bool = False) -> dict:
+        """The manifest as on disk now (``{}`` if none; see :func:`read_manifest`)."""
+        return read_manifest(self.path, quiet)
+
+    def write_manifest(self, manifest: dict) -> None:
+        """Replace the manifest atomically."""
+        write_manifest(self.path, manifest)
+
+    def watch(self, generation: int) -> ManifestWatch:
+        """A watch on the manifest's commit counter, from ``generation`` on."""
+        return ManifestWatch(self.path, generation)
+
+    def lock(self):
+        """The ingest lock, held (see :func:`ingest_lock`)."""
+        return ingest_lock(self.path)
+
+    # ------------------------------------------------------------------ what it decides
+
+    def settings(self, manifest: dict, chunk_tokens: int | None,
+                 conditioning: str | LearnedPrefix | None) -> tuple[int, str]:
+        """``(chunk_tokens, conditioning)`` for this index (see :func:`built_settings`)."""
+        return built_settings(self.path, manifest, chunk_tokens, conditioning)
+
+    def load_prefix(self, spec: str) -> LearnedPrefix:
+        """The index's learned prefix of ``spec``; a missing or damaged file is refused by name."""
+        return load_prefix(self.path, spec)
+
+    def conditioning(self) -> str | LearnedPrefix:
+        """The conditioning the index's chunks are encoded under, for a component that answers
+        from it: its learned prefix (read from its own file), its spec, ``"none"`` for an index
+        from before conditioning, or ``"default"`` for one with nothing in it yet."""
+        from ..conditioning import conditioning_kind
+
+        m = self.manifest()
+        cond = m.get("conditioning") or ("none" if m.get("chunks") else "default")
+        return self.load_prefix(cond) if cond != "default" and conditioning_kind(cond) == "learned" else cond
+
+    @staticmethod
+    def calibration(asked: str | None, manifest: dict, fingerprint: str) -> tuple[str | None, str]:
+        """``(the calibration answers use, where it comes from)``: ``asked``, or with ``"auto"``
+        the manifest's own when it was chosen for the model of ``fingerprint``."""
+        from .calibrate import resolve_calibration
+
+        return resolve_calibration(asked, manifest, fingerprint)
+
+    @staticmethod
+    def recompute(asked: str | None, calibration: str | None) -> str | None:
+        """The recompute policy answers use (None: the engine's default); ``"auto"`` resolves
+        against the calibration in force (:func:`pcache_rag.recompute.resolve_auto`)."""
+        from ..recompute import resolve_auto
+
+        rc = resolve_auto(asked, calibration)
+        return None if rc is None else str(rc)
+
+    # ------------------------------------------------------------------ the engine over its states
+
+    def engine(self, model=None, tokenizer=None, *, disk_budget: int | None = None, kv_url: str | None = None,
+               **engine_args) -> PromptCache:
+        """A :class:`~pcache_rag.PromptCache` whose states live in this index: host memory, then
+        ``kv/`` on disk (bounded by ``disk_budget`` bytes), then the Redis/Valkey server at
+        ``kv_url`` when given. ``model``: a loaded model (with its ``tokenizer``), or a model
+        folder or ``.gguf`` file, or None for the embedded default; ``engine_args`` go to
+        :class:`~pcache_rag.PromptCache` (``encoding``, ``store_dtype``, ``decode_weights``...)."""
+        from ..default_model import load_model
+        from ..engine import PromptCache
+        from ..store import default_store
+
+        if model is None or isinstance(model, (str, Path)):
+            if tokenizer is not None:
+                raise ValueError("a tokenizer goes with a loaded model, not with a model path")
+            model, tokenizer = load_model(None if model is None else str(model),
+                                          device=engine_args.pop("device", None), dtype=engine_args.pop("dtype", None))
+        device = next(model.parameters()).device
+        store = default_store(device, self.kv_dir, disk_budget=disk_budget, kv_url=kv_url)
+        return PromptCache(model, tokenizer, store=store, cache_dir=str(self.kv_dir), **engine_args)

@@ -1,9 +1,10 @@
 """Ingest: read and chunk what changed, project the states' size, encode, commit per file.
 
 An :class:`Ingestor` does the work of :meth:`CachedRAG.ingest
-<pcache_rag.rag.pipeline.CachedRAG.ingest>` under the index's lock, through the pipeline's
-public methods: states first, then chroma, then the manifest, so a killed ingest resumes
-without re-encoding and chroma never names a chunk without states.
+<pcache_rag.rag.pipeline.CachedRAG.ingest>` under the index's lock, on the parts it is handed
+(the chroma side, the chunk states, the embedder and the commit): states first, then chroma,
+then the manifest, so a killed ingest resumes without re-encoding and chroma never names a
+chunk without states.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .chunking import SUPPORTED, SkipFile, read_document, split_tokens
-from .states import budget, budget_room, bytes_per_token, drop_chunks, human, persisted, release_states
+from .chunks import ChunkStates
+from .embed import MiniLMEmbedder
+from .index import ChromaIndex
+from .states import budget, budget_room, drop_chunks, human, persisted, release_states
 from .types import IngestReport
-
-if TYPE_CHECKING:
-    from .pipeline import CachedRAG
 
 log = logging.getLogger(__name__)
 
@@ -31,41 +32,44 @@ class IngestTooLargeError(RuntimeError):
 
 
 class Ingestor:
-    """The phases of one ingest over ``rag`` (called with the index's lock held)."""
+    """The phases of one ingest (called with the index's lock held): ``chroma`` gets the chunks,
+    ``chunks`` their states, ``embedder`` their vectors; ``tokenizer`` splits documents into
+    chunks of ``chunk_tokens``; ``commit()`` publishes each file to every process."""
 
-    def __init__(self, rag: CachedRAG) -> None:
-        self.rag = rag
+    def __init__(self, chroma: ChromaIndex, chunks: ChunkStates, embedder: MiniLMEmbedder, tokenizer,
+                 chunk_tokens: int, commit: Callable[[], None]) -> None:
+        self.chroma, self.chunks, self.embedder = chroma, chunks, embedder
+        self.tokenizer, self.chunk_tokens, self.commit = tokenizer, chunk_tokens, commit
 
     def run(self, files: list[Path], roots: list[Path], rep: IngestReport, progress: bool, encode: str,
-            prune: bool, repair: bool, on_progress=None) -> None:
-        """The whole ingest of ``files`` (found under ``roots``), uploads an interrupted ingest
-        left included; then lazy chunks are filled, and ``prune`` and ``repair`` run."""
-        rag = self.rag
-        pending = [f for f in rag.pending_uploads() if f not in set(files)]
+            upload_dir: Path, on_progress=None) -> None:
+        """The ingest of ``files`` (found under ``roots``), uploads an interrupted ingest left in
+        ``upload_dir`` included; then lazy chunks under ``roots`` are filled."""
+        pending = [f for f in pending_uploads(self.chroma, upload_dir) if f not in set(files)]
         if pending:
             rep.notes.append(f"indexing {len(pending)} uploaded files that an interrupted ingest left in "
-                             f"{rag.upload_dir}")
+                             f"{upload_dir}")
             files = sorted([*files, *pending])
         self.read_and_commit(files, roots, rep, progress, encode, on_progress)
         if encode == "eager":
             rep.lazy_filled = self.fill_lazy(roots, progress)
-        if prune:
-            rep.pruned = rag.prune()
-        if repair:
-            rep.repaired = rag.repair()
-        if encode == "eager" or repair:
+
+    def finish(self, rep: IngestReport, check: bool, upload_dir: Path) -> None:
+        """After the ingest (and any prune or repair): with ``check``, chunks the store did not
+        keep become lazy; skipped uploads are set aside; the result is committed."""
+        if check:
             self.check_kept(rep)
-        self.set_aside_skipped_uploads(rep)
-        rag.commit()
+        self.set_aside_skipped_uploads(rep, upload_dir)
+        self.commit()
 
     def read_and_commit(self, files: list[Path], roots: list[Path], rep: IngestReport, progress: bool,
                         encode: str, on_progress=None) -> None:
         """The three phases over ``files``: read and chunk what changed, project the states'
         size (refusing what exceeds the budget), encode and commit file by file; then remove
         the indexed files under ``roots`` that are gone."""
-        known = self.rag.index.sources()  # source -> (shas, [ids], [kv keys])
-        self.rag.preamble()
-        start = self.rag.canonical_start
+        known = self.chroma.sources()  # source -> (shas, [ids], [kv keys])
+        self.chunks.preamble()
+        start = self.chunks.canonical_start
         # 1. read and chunk what changed (a bar over the bytes, moving during long files)
         work: list[tuple[str, str, list, list[list[int]]]] = []  # (source, sha, chunks, token ids)
         bar = Bar(progress, on_progress, "read", sum(file_size(f) for f in files), desc="read+chunk", unit="B",
@@ -92,14 +96,14 @@ class Ingestor:
             if not doc.text.strip():
                 rep.empty += 1
                 if old is not None:
-                    release_states(self.rag.index, self.rag.pc.store, self.rag.index.delete_where_source(src))
+                    release_states(self.chroma, self.chunks.store, self.chroma.delete_where_source(src))
                 if bar:
                     bar.update(nbytes)
                 continue
             ratio = nbytes / max(len(doc.text), 1)
             tick = (lambda n, r=ratio: bar.update(int(n * r))) if bar else None
-            chunks = split_tokens(doc.text, self.rag.pc.tokenizer, self.rag.chunk_tokens, progress=tick)
-            work.append((src, sha, chunks, [self.rag.chunk_ids(c.text, src) for c in chunks]))
+            chunks = split_tokens(doc.text, self.tokenizer, self.chunk_tokens, progress=tick)
+            work.append((src, sha, chunks, [self.chunks.ids(c.text, src) for c in chunks]))
             if old is not None:
                 rep.changed += 1
             else:
@@ -110,15 +114,15 @@ class Ingestor:
         todo: dict[str, tuple[list[int], int]] = {}
         for src, _sha, _chunks, ids_list in work:
             for ids in ids_list:
-                key = self.rag.chunk_key(ids, start)
-                if key not in todo and not self.rag.pc.store.contains(key):
+                key = self.chunks.key(ids, start)
+                if key not in todo and not self.chunks.store.contains(key):
                     todo[key] = (ids, start)
         rep.projected_tokens = sum(len(ids) for ids, _ in todo.values())
-        bpt = bytes_per_token(self.rag.pc)
+        bpt = self.chunks.bytes_per_token
         rep.projected_bytes = rep.projected_tokens * bpt
         if encode == "eager" and todo:
-            store_budget = budget(self.rag.pc.store)
-            room = budget_room(self.rag.pc.store)
+            store_budget = budget(self.chunks.store)
+            room = budget_room(self.chunks.store)
             self.say(progress, f"to encode: {len(todo)} chunks, {rep.projected_tokens} tokens, "
                                 f"{human(rep.projected_bytes)} of states (store budget {human(store_budget)}"
                                 + (f", {human(max(room, 0))} free)" if room is not None else ")"))
@@ -140,11 +144,11 @@ class Ingestor:
             keys, metas, docs, cids = [], [], [], []
             done_here = 0
             for c, ids in zip(chunks, ids_list):
-                key = self.rag.chunk_key(ids, start)
+                key = self.chunks.key(ids, start)
                 lazy = False
                 if key in todo and encode == "eager":
                     t1 = time.perf_counter()
-                    self.rag.encode_chunk(ids, start, key)
+                    self.chunks.encode(ids, key, start)
                     t_enc += time.perf_counter() - t1
                     n_enc += 1
                     todo.pop(key)
@@ -164,12 +168,12 @@ class Ingestor:
                 docs.append(c.text)
                 metas.append({"source": src, "sha": sha, "chunk": c.index, "n_tokens": len(ids), "kv_key": key,
                               "lazy": lazy})
-            embs = self.rag.embedder.embed(docs)
+            embs = self.embedder.embed(docs)
             # Reconcile by source: every earlier version of this file goes, whoever wrote it.
-            old_keys = self.rag.index.delete_where_source(src)
-            self.rag.index.add(cids, embs, docs, metas)
-            self.rag.commit()  # readers in other processes see this file from now on
-            release_states(self.rag.index, self.rag.pc.store, set(old_keys) - set(keys))
+            old_keys = self.chroma.delete_where_source(src)
+            self.chroma.add(cids, embs, docs, metas)
+            self.commit()  # readers in other processes see this file from now on
+            release_states(self.chroma, self.chunks.store, set(old_keys) - set(keys))
             if bar:
                 bar.update(len(chunks) - done_here)
         if bar:
@@ -177,25 +181,25 @@ class Ingestor:
         for src, (_shas, ids, keys) in known.items():
             p = Path(src)
             if any(p == r or r in p.parents for r in roots) and not p.exists():
-                drop_chunks(self.rag.index, self.rag.pc.store, ids, keys)
+                drop_chunks(self.chroma, self.chunks.store, ids, keys)
                 rep.removed += 1
 
     def fill_lazy(self, roots: list[Path], progress: bool) -> int:
         """Encode the lazily indexed chunks under ``roots`` that have no states yet, and mark
         every lazy chunk there as encoded; returns how many were encoded."""
-        lazy = [(cid, m) for cid, m in self.rag.index.chunks()
+        lazy = [(cid, m) for cid, m in self.chroma.chunks()
                 if m.get("lazy") and any(Path(m["source"]) == r or r in Path(m["source"]).parents for r in roots)]
         if not lazy:
             return 0
         ids = [cid for cid, _ in lazy]
         n = self.encode_indexed(ids, progress, "encode lazy chunks")
-        self.rag.index.update_metadata(ids, [{**m, "lazy": False} for _cid, m in lazy])
+        self.chroma.update_metadata(ids, [{**m, "lazy": False} for _cid, m in lazy])
         return n
 
     def encode_indexed(self, ids: list[str], progress: bool = False, desc: str = "encode") -> int:
         """Encode, from the text chroma keeps, the chunks ``ids`` whose states the store lacks;
         returns how many."""
-        got = self.rag.index.get(ids)
+        got = self.chroma.get(ids)
         it = iter(got.values())
         if progress:
             from tqdm.auto import tqdm
@@ -203,8 +207,8 @@ class Ingestor:
             it = tqdm(it, total=len(got), desc=desc, unit="chunk")
         n = 0
         for doc, m in it:
-            if not self.rag.pc.store.contains(m["kv_key"]):
-                self.rag.encode_chunk(self.rag.chunk_ids(doc, m["source"]), self.rag.canonical_start, m["kv_key"])
+            if not self.chunks.store.contains(m["kv_key"]):
+                self.chunks.encode(self.chunks.ids(doc, m["source"]), m["kv_key"], self.chunks.canonical_start)
                 n += 1
         return n
 
@@ -212,20 +216,20 @@ class Ingestor:
         """An ingest never reports success with states missing: chunks whose states the store
         did not keep (evicted to stay within its budget) are marked lazy (encoded on first use),
         and the report says so."""
-        store = self.rag.pc.store
-        lost = [(cid, m) for cid, m in self.rag.index.chunks() if not m.get("lazy") and not persisted(store, m["kv_key"])]
+        store = self.chunks.store
+        lost = [(cid, m) for cid, m in self.chroma.chunks() if not m.get("lazy") and not persisted(store, m["kv_key"])]
         if not lost:
             return
-        self.rag.index.update_metadata([c for c, _ in lost], [{**m, "lazy": True} for _c, m in lost])
+        self.chroma.update_metadata([c for c, _ in lost], [{**m, "lazy": True} for _c, m in lost])
         rep.chunks_lazy += len(lost)
         msg = (f"the store kept the states of all but {len(lost)} chunks within its budget of "
-               f"{human(budget(self.rag.pc.store))}: those are now encoded on first use (raise --disk-budget "
+               f"{human(budget(self.chunks.store))}: those are now encoded on first use (raise --disk-budget "
                f"to keep them)")
         rep.notes.append(msg)
         log.warning(msg)
 
-    def set_aside_skipped_uploads(self, rep: IngestReport) -> None:
-        root = self.rag.upload_dir.resolve()
+    def set_aside_skipped_uploads(self, rep: IngestReport, upload_dir: Path) -> None:
+        root = upload_dir.resolve()
         for path, why in rep.skipped:
             p = Path(path)
             if p.parent.resolve() == root and p.is_file():

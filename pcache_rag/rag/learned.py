@@ -286,7 +286,7 @@ def index_prompts(rag, n: int, k: int | None = None, seed: int = 0) -> list[Prom
     out = []
     for handles, question, answer in sample_prompts(rag, n, rag.k if k is None else k, seed, cloze=True):
         docs = [rag.chunk_ids(h.text, h.source) for h in sorted(handles, key=lambda h: h.score)]
-        out.append(Prompt(docs, rag.question_ids(question), rag.pc.safe.text(answer) if answer else []))
+        out.append(Prompt(docs, rag.question_ids(question), rag.asm.safe.text(answer) if answer else []))
     return out
 
 
@@ -317,14 +317,13 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
     that every process serving the index switches at its next question. The index's calibrated
     attention was chosen for the old states and is dropped (run ``calibrate`` again). Returns the
     number of chunks encoded. Holds the ingest lock throughout."""
-    from .index_dir import ingest_lock, prefix_path, read_manifest
     from .pipeline import index_assembler
 
-    lock = ingest_lock(rag.index_dir)
+    lock = rag.folder.lock()
     try:
         rag.refresh(force=True)
-        prefix.save(prefix_path(rag.index_dir, prefix.spec))
-        asm = index_assembler(rag.pc, rag.index_dir, rag.asm.system_prompt, prefix.spec)
+        prefix.save(rag.folder.prefix_path(prefix.spec))
+        asm = index_assembler(rag.pc, rag.folder, rag.asm.system_prompt, prefix.spec)
         chunks = rag.index.chunks()
         texts = dict(rag.index.texts())
         ids, metas, encoded = [], [], 0
@@ -338,14 +337,14 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
                 continue
             tok = rag.chunk_ids(texts[cid], m["source"])
             key = asm.key(tok)
-            if not m.get("lazy") and not rag.pc.store.contains(key):
+            if not m.get("lazy") and not rag.chunks.contains(key):
                 asm.encode_ids(tok, key)
                 encoded += 1
             ids.append(cid)
             metas.append({**m, "kv_key": key})
         rag.asm = asm
         rag.index.update_metadata(ids, metas)
-        rag.manifest = dict(read_manifest(rag.index_dir, quiet=True) or rag.manifest)
+        rag.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
         if rag.manifest.pop("calibration", None):
             log.warning("the index's calibrated attention was chosen for its old states and is dropped: "
                         "run `pcache-rag calibrate` again to choose it for the new ones")

@@ -41,22 +41,23 @@ from ..engine import ContextOverflowError, Generation, PromptCache
 from ..fsutil import quarantine
 from ..kv import ModuleKV
 from ..models.attention import Calibration
-from ..recompute import Recompute, resolve_auto
+from ..recompute import Recompute
 from . import maintenance
+from .chunks import ChunkStates
 from .chunking import scan
 from .embed import MiniLMEmbedder
 from .extract import release as release_reader
 from .index import ChromaIndex, IndexDamagedError
-from .calibrate import answer_settings, resolve_calibration
-from .index_dir import (FORMAT, MANIFEST, ManifestWatch, built_settings, check_index_dir, ingest_lock, load_prefix,
-                        prefix_path, read_manifest, same_conditioning, write_manifest)
+from .calibrate import answer_settings
+from .index_dir import FORMAT, MANIFEST, Index, check_index_dir, same_conditioning
 from .ingest import Ingestor, IngestTooLargeError, pending_uploads
+from .states import bytes_per_token
 from .lexical import BM25Index, ExactDense, check_retrieval, hybrid_search
-from .prompt import check_fits, chunk_text, question_ids
+from .prompt import check_fits, question_ids
 from .types import IngestReport, ModuleHandle, RAGAnswer, VerifyReport
 
 __all__ = ["CachedRAG", "ModuleHandle", "RAGAnswer", "IngestReport", "VerifyReport", "IngestTooLargeError",
-           "DEFAULT_SYSTEM", "MANIFEST", "check_index_dir", "question_ids", "index_conditioning"]
+           "DEFAULT_SYSTEM", "MANIFEST", "Index", "check_index_dir", "question_ids", "index_conditioning"]
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,13 @@ EncodeMode = Literal["eager", "lazy"]
 # ---------------------------------------------------------------------------- an index's conditioning
 # (functions beside the class, as maintenance and calibration are: CachedRAG stays a façade)
 
-def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, conditioning: str) -> Assembler:
+def index_assembler(pc: PromptCache, index: Index, system_prompt: str, conditioning: str) -> Assembler:
     """The Assembler that encodes an index's chunks under ``conditioning`` (neutral passages, or a
     learned prefix read from the index's own file: ``pcache-rag calibrate --learn`` leaves it there)."""
     if conditioning == "default" or conditioning_kind(conditioning) != "learned":
         asm = Assembler(pc, system_prompt, conditioning=conditioning)
         if asm.prefix is not None:  # the model's installed prefix: the index keeps its own copy, as for a learned one
-            path = prefix_path(index_dir, asm.prefix.spec)
+            path = index.prefix_path(asm.prefix.spec)
             try:
                 if not path.exists():
                     asm.prefix.save(path)
@@ -82,36 +83,33 @@ def index_assembler(pc: PromptCache, index_dir: Path, system_prompt: str, condit
                     raise
         return asm
     try:
-        prefix = load_prefix(index_dir, conditioning)
+        prefix = index.load_prefix(conditioning)
     except (OSError, ValueError) as e:  # missing or damaged: the installed prefix of the same spec restores it
         installed = installed_prefix(pc.fingerprint)
         if installed is None or installed.spec != conditioning:
             raise
         log.warning("%s; restored from the prefix installed for this model", e)
         prefix = installed
-        prefix.save(prefix_path(index_dir, conditioning))
+        prefix.save(index.prefix_path(conditioning))
     return Assembler(pc, system_prompt, prefix=prefix)
 
 
-def index_conditioning(index_dir: str | Path) -> str | LearnedPrefix:
-    """The conditioning an index's chunks are encoded under, for a framework component that
-    answers from it (:func:`pcache_rag.frameworks.assembler_for`): its learned prefix (read from
-    the index's own file), its spec, ``"none"`` for an index from before conditioning, or
-    ``"default"`` for one with nothing in it yet."""
-    index_dir = Path(index_dir).expanduser()
-    m = read_manifest(index_dir)
-    cond = m.get("conditioning") or ("none" if m.get("chunks") else "default")
-    return load_prefix(index_dir, cond) if cond != "default" and conditioning_kind(cond) == "learned" else cond
+def index_conditioning(index_dir: str | Path | Index) -> str | LearnedPrefix:
+    """The conditioning an index's chunks are encoded under (:meth:`Index.conditioning`), for a
+    framework component that answers from it (:func:`pcache_rag.frameworks.assembler_for`)."""
+    if not Path(index_dir).expanduser().exists():
+        return "default"  # an index not made yet: nothing is encoded under any conditioning
+    return Index(index_dir, create=False).conditioning()
 
 
-def follow_conditioning(asm: Assembler, index_dir: Path, manifest: dict) -> Assembler:
+def follow_conditioning(asm: Assembler, index: Index, manifest: dict) -> Assembler:
     """``asm``, or a new Assembler where another process moved the index to another conditioning
     (``calibrate --learn``): chunks are keyed by it, so this one encodes and reads under it from now on."""
     cond = manifest.get("conditioning")
     if not cond or same_conditioning(cond, asm.conditioning):
         return asm
-    log.info("the index %s is now encoded with conditioning=%s", index_dir, cond)
-    return index_assembler(asm.pc, index_dir, asm.system_prompt, cond)
+    log.info("the index %s is now encoded with conditioning=%s", index.path, cond)
+    return index_assembler(asm.pc, index, asm.system_prompt, cond)
 
 
 class CachedRAG:
@@ -134,7 +132,7 @@ class CachedRAG:
     """
 
     def __init__(
-        self, index_dir: str | Path, pc: PromptCache | None = None, model: str | None = None, k: int = 4,
+        self, index_dir: str | Path | Index, pc: PromptCache | None = None, model: str | None = None, k: int = 4,
         chunk_tokens: int | None = None, system_prompt: str = DEFAULT_SYSTEM, chroma_url: str | None = None,
         embedder: MiniLMEmbedder | None = None, create: bool = True, recompute: str | None = "auto",
         kv_url: str | None = None, conditioning: str | LearnedPrefix | None = None, retrieval: str = "hybrid",
@@ -144,40 +142,53 @@ class CachedRAG:
         if calibration not in (None, "auto"):
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
-        self.index_dir = check_index_dir(index_dir, create)
+        #: the index directory's owner: its paths, manifest and settings
+        self.folder = Index(index_dir, create)
+        self.index_dir = self.folder.path
         #: the recompute policy asked for: "auto", None (the engine's default) or a policy
         self._recompute_arg = recompute if recompute in (None, "auto") else str(Recompute.parse(recompute))
         self.k = _check_k(k)
-        self.manifest = read_manifest(self.index_dir)
-        self.chunk_tokens, cond = built_settings(self.index_dir, self.manifest, chunk_tokens, conditioning)
+        self.manifest = self.folder.manifest()
+        self.chunk_tokens, cond = self.folder.settings(self.manifest, chunk_tokens, conditioning)
         if pc is not None and kv_url is not None:
             raise ValueError("give kv_url to the PromptCache you pass (pc), or let CachedRAG build one")
-        self.pc = pc if pc is not None else PromptCache.from_pretrained(model, cache_dir=str(self.index_dir / "kv"),
-                                                                        kv_url=kv_url)
+        self.pc = pc = pc if pc is not None else self.folder.engine(model, kv_url=kv_url)
         self.embedder = embedder or MiniLMEmbedder()
         self.chroma_url = chroma_url
         self._index: ChromaIndex | None = None
         self._index_error: Exception | None = None
-        self._watch = ManifestWatch(self.index_dir, int(self.manifest.get("generation", 0)))
+        self._watch = self.folder.watch(int(self.manifest.get("generation", 0)))
         self._refresh_lock = threading.RLock()
         self._ingesting = 0  # ingests running in this process (their commits are our own)
         self._bm25, self._dense = BM25Index(), ExactDense()
         self._known_generation: tuple | None = None  # the index version know_indexed() last read
         self._open_index()
-        #: content-addressed chunk states (shared with the LlamaIndex/LangChain components)
-        self.asm = index_assembler(self.pc, self.index_dir, system_prompt, cond)
-        self.preamble_ids = self.asm.base_ids
+        #: the index's chunks as states: content-addressed, shared with the LlamaIndex/LangChain components
+        self.chunks = ChunkStates(index_assembler(pc, self.folder, system_prompt, cond), pc.store, bytes_per_token(pc))
         self.check_fits(self.k)
+
+    @property
+    def asm(self):
+        """The :class:`~pcache_rag.frameworks.Assembler` the index's chunks are encoded under."""
+        return self.chunks.asm
+
+    @asm.setter
+    def asm(self, asm) -> None:
+        self.chunks.asm = asm
+
+    @property
+    def preamble_ids(self) -> list[int]:
+        return self.chunks.preamble_ids
 
     # ------------------------------------------------------------------ the index directory
 
     def _open_index(self) -> None:
         try:
-            self._index = ChromaIndex(self.index_dir / "chroma", url=self.chroma_url)
+            self._index = ChromaIndex(self.folder.chroma_dir, url=self.chroma_url)
             self._index_error = None
             n = self.manifest.get("chunks")
             if self.chroma_url is None and n and self._index.count() == 0:
-                raise IndexDamagedError(self.index_dir / "chroma" / "chroma.sqlite3",
+                raise IndexDamagedError(self.folder.chroma_dir / "chroma.sqlite3",
                                         f"it lists no chunks, but the index had {n}")
         except IndexDamagedError as e:
             self._index, self._index_error = None, e
@@ -198,7 +209,7 @@ class CachedRAG:
                 return False
             if m:
                 self.manifest = m
-                self.asm = follow_conditioning(self.asm, self.index_dir, m)
+                self.asm = follow_conditioning(self.asm, self.folder, m)
             log.info("the index %s changed (generation %d): reopening it", self.index_dir, self.generation)
             self._open_index()
             return True
@@ -219,7 +230,7 @@ class CachedRAG:
     def _rebuild_index(self) -> str:
         err = self._index_error
         self._index = None
-        folder = self.index_dir / "chroma"
+        folder = self.folder.chroma_dir
         moved = quarantine(folder) if folder.exists() else folder
         self.manifest.pop("chunks", None)  # the count belonged to the damaged database
         log.warning("%s; moved to %s and rebuilt from the documents given to this ingest", err, moved)
@@ -230,38 +241,15 @@ class CachedRAG:
 
     def check_fits(self, k: int) -> None:
         """Refuse a ``k`` x ``chunk_tokens`` that cannot fit the model's context with a question."""
-        check_fits(len(self.preamble_ids), k, self.chunk_tokens, self.pc.max_positions)
+        check_fits(len(self.preamble_ids), k, self.chunk_tokens, self.asm.max_positions)
 
-    # ------------------------------------------------------------------ states
+    # ------------------------------------------------------------------ chunks
 
-    @property
-    def canonical_start(self) -> int:
-        return len(self.preamble_ids)
-
-    def preamble(self) -> ModuleKV:
-        """The preamble's states (and, with conditioning, the passages' after it), made and
-        stored on first use: an ingest or a server's warm-up makes them before any chunk."""
-        if self.asm.cond_ids:  # neutral passages or a learned prefix
-            self.asm.conditioned_context()
-        return self.asm.base()
-
-    @staticmethod
-    def chunk_text(handle_or_text, source: str | None = None) -> str:
-        """A chunk as the model reads it: a ``[file name]`` header line, then its text. Framework
-        retrievers return this text, so marked documents hit the states encoded at ingest."""
-        if isinstance(handle_or_text, ModuleHandle):
-            handle_or_text, source = handle_or_text.text, handle_or_text.source
-        return chunk_text(handle_or_text, source)
+    chunk_text = staticmethod(ChunkStates.text)
 
     def chunk_ids(self, text: str, source: str) -> list[int]:
-        # file names and documents are text, never markup; the same ids as a marked document
-        return self.asm.doc_ids(self.chunk_text(text, source))
-
-    def chunk_key(self, ids: list[int], start: int) -> str:
-        return self.asm.key(ids, start)
-
-    def encode_chunk(self, ids: list[int], start: int, key: str) -> ModuleKV:
-        return self.asm.encode_ids(ids, key, start)
+        """A chunk's token ids (:meth:`ChunkStates.ids`)."""
+        return self.chunks.ids(text, source)
 
     # ------------------------------------------------------------------ ingest
 
@@ -289,15 +277,21 @@ class CachedRAG:
         rep = IngestReport()
         files, skipped = scan(paths, exclude=[self.index_dir])  # validates paths before any work
         rep.skipped.extend((str(p), r) for p, r in skipped)
-        lock = ingest_lock(self.index_dir)
+        lock = self.folder.lock()
         with self._refresh_lock:
             self.refresh()  # what other processes committed, before this one adds to it
             self._ingesting += 1
         try:
             if self._index is None:
                 rep.rebuilt_from = self._rebuild_index()
-            Ingestor(self).run(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode,
-                               prune, repair, on_progress)
+            ing = self._ingestor()
+            ing.run(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode, self.upload_dir,
+                    on_progress)
+            if prune:
+                rep.pruned = self._prune()
+            if repair:
+                rep.repaired = maintenance.repair(ing, self.upload_dir)
+            ing.finish(rep, encode == "eager" or repair, self.upload_dir)
         finally:
             release_reader()  # the document reader's child process ends: its memory goes back
             with self._refresh_lock:
@@ -311,7 +305,7 @@ class CachedRAG:
     @property
     def upload_dir(self) -> Path:
         """Where the web app keeps uploaded files (``<index>/uploads``)."""
-        return self.index_dir / "uploads"
+        return self.folder.upload_dir
 
     def pending_uploads(self, folder: str | Path | None = None) -> list[Path]:
         """Uploaded files (in ``folder``, default :attr:`upload_dir`) that no chunk comes from:
@@ -321,27 +315,39 @@ class CachedRAG:
 
     # ------------------------------------------------------------------ the store's budget
 
+    def _ingestor(self) -> Ingestor:
+        return Ingestor(self.index, self.chunks, self.embedder, self.asm.tokenizer, self.chunk_tokens, self.commit)
+
     def state_stats(self) -> dict:
-        """How many chunks have states: ``chunks`` (and ``documents``) in the index, ``lazy``
-        indexed without states, ``hot`` lazy ones whose states were made on first use, ``cold``
-        the rest."""
-        return maintenance.state_stats(self)
+        """How many chunks have states (:func:`~pcache_rag.rag.maintenance.state_stats`)."""
+        self.refresh()
+        return maintenance.state_stats(self.index, self.chunks.store)
 
     def prune(self) -> int:
         """Remove every indexed source whose file no longer exists (a renamed or deleted folder);
         returns how many were removed."""
-        return maintenance.prune(self)
+        self.refresh()
+        return self._prune()
+
+    def _prune(self) -> int:
+        n = maintenance.prune(self.index, self.chunks.store)
+        if n:
+            self.commit()
+        return n
 
     def verify(self, store: bool = True) -> VerifyReport:
         """Check the index against the files and the store (see :class:`VerifyReport`)."""
-        return maintenance.verify(self, store)
+        self.refresh()
+        return maintenance.verify(self.index, self.chunks.store, self.upload_dir, store)
 
     def repair(self) -> list[str]:
-        """Fix what :meth:`verify` finds, except sources that are gone (see :meth:`prune`):
-        stale and duplicate chunks are dropped (their file is re-ingested if no current
-        version is indexed), missing states are encoded from the indexed text, and the disk
-        tier's rows without files and files without rows are removed. Returns what was fixed."""
-        return maintenance.repair(self)
+        """Fix what :meth:`verify` finds, except sources that are gone (see :meth:`prune`;
+        :func:`~pcache_rag.rag.maintenance.repair` says what). Returns what was fixed."""
+        self.refresh()
+        fixed = maintenance.repair(self._ingestor(), self.upload_dir)
+        if fixed:
+            self.commit()
+        return fixed
 
     def commit(self) -> None:
         """Write the manifest with the next ``generation``: every process serving this index
@@ -350,12 +356,12 @@ class CachedRAG:
             n = self.index.count()
         except Exception:  # noqa: BLE001 - a count that fails leaves the old manifest
             return
-        on_disk = int(read_manifest(self.index_dir, quiet=True).get("generation", 0))
+        on_disk = int(self.folder.manifest(quiet=True).get("generation", 0))
         self._watch.generation = max(on_disk, self.generation) + 1
         self.manifest = {"format": FORMAT, "chunk_tokens": self.chunk_tokens, "chunks": n,
                          "conditioning": self.asm.conditioning, "generation": self.generation,
                          **({"calibration": self.manifest["calibration"]} if "calibration" in self.manifest else {})}
-        write_manifest(self.index_dir, self.manifest)
+        self.folder.write_manifest(self.manifest)
 
     # ------------------------------------------------------------------ calibration
 
@@ -363,7 +369,7 @@ class CachedRAG:
     def calibration(self) -> tuple[str | None, str]:
         """``(the calibration answers use, where it comes from)``: the constructor's, or the
         index's own when it was chosen for this model (``pcache-rag calibrate``)."""
-        return resolve_calibration(self._calibration_arg, self.manifest, self.pc.fingerprint)
+        return self.folder.calibration(self._calibration_arg, self.manifest, self.asm.fingerprint)
 
     def calibrate(self, n: int = 24, k: int | None = None, progress: bool = True, save: bool = True, grid=None):
         """Choose calibrated attention for this index and model without labels
@@ -376,8 +382,7 @@ class CachedRAG:
     @property
     def recompute(self) -> str | None:
         """The recompute policy answers use (None: the engine's default)."""
-        rc = resolve_auto(self._recompute_arg, self.calibration[0])
-        return None if rc is None else str(rc)
+        return self.folder.recompute(self._recompute_arg, self.calibration[0])
 
     def _answer_gen(self, gen: dict) -> dict:
         """``gen`` with this index's recompute policy and calibration."""
@@ -409,8 +414,8 @@ class CachedRAG:
                 notes.append(msg)
         handles = [ModuleHandle.from_hit(*hit) for hit in hits]
         # a stock chain may paste these texts into any message, unmarked: the engine finds them there
-        self.pc.known_texts.add(self.chunk_text(h) for h in handles)
-        fn = getattr(self.pc.store, "prefetch", None)
+        self.asm.known_texts.add(self.chunk_text(h) for h in handles)
+        fn = getattr(self.chunks.store, "prefetch", None)
         if prefetch and fn is not None and handles:
             fn([h.kv_key for h in handles])
         return handles
@@ -420,11 +425,11 @@ class CachedRAG:
         q = self.question_ids(question)
         ctx = len(self.preamble_ids) + sum(h.n_tokens or len(self.chunk_ids(h.text, h.source)) for h in handles)
         need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
-        if need > self.pc.max_positions:
+        if need > self.asm.max_positions:
             raise ContextOverflowError(
                 f"the question is {len(q)} tokens; with {len(handles)} chunks ({ctx} tokens) and "
                 f"{gen.get('max_new_tokens', 64)} new tokens the prompt needs {need} positions, but the model "
-                f"takes {self.pc.max_positions}: shorten the question or retrieve fewer chunks"
+                f"takes {self.asm.max_positions}: shorten the question or retrieve fewer chunks"
             )
         return q
 
@@ -437,7 +442,7 @@ class CachedRAG:
             return 0
         sources = {cid: m["source"] for cid, m in self.index.chunks()}
         texts = [self.chunk_text(t, sources[cid]) for cid, t in self.index.texts() if cid in sources and t]
-        self.pc.known_texts.add(texts)
+        self.asm.known_texts.add(texts)
         self._known_generation = (self.generation, id(self._index))
         return len(texts)
 
@@ -445,21 +450,8 @@ class CachedRAG:
         return question_ids(self.pc, question)
 
     def parts(self, handles: list[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
-        """The prompt's cached parts for ``handles``: the preamble, then each chunk's states at its
-        slot, most relevant last (fetched, or encoded on first use for lazy chunks)."""
-        parts = [("preamble", self.preamble())]
-        pos = self.canonical_start
-        for h in sorted(handles, key=lambda h: h.score):  # most relevant last
-            kv = self.pc.store.get(h.kv_key)
-            if kv is None:  # evicted, damaged or lazy: encode from the stored text, under this process's own key
-                ids = self.chunk_ids(h.text, h.source)  # (never one keyed for another conditioning: an index moving)
-                key = self.chunk_key(ids, self.canonical_start)
-                kv = (self.pc.store.get(key) if key != h.kv_key else None) or self.encode_chunk(ids, self.canonical_start, key)
-            if pos != self.canonical_start:
-                kv, _ = self.asm.place(kv, pos)
-            parts.append((h.id, kv))
-            pos += kv.length
-        return parts
+        """The prompt's cached parts for ``handles`` (:meth:`ChunkStates.parts`)."""
+        return self.chunks.parts(handles)
 
     def answer(self, question: str, k: int | None = None, handles: list[ModuleHandle] | None = None,
                **gen) -> RAGAnswer:
@@ -489,10 +481,7 @@ class CachedRAG:
 
     def full_prompt_ids(self, question: str, handles: list[ModuleHandle]) -> list[int]:
         """The same tokens the cached path reads, for a full prefill."""
-        ids = list(self.preamble_ids)
-        for h in sorted(handles, key=lambda h: h.score):
-            ids.extend(self.chunk_ids(h.text, h.source))
-        return ids + self.question_ids(question)
+        return self.chunks.prompt_ids(handles, self.question_ids(question))
 
     def answer_full_prefill(self, question: str, k: int | None = None,
                             handles: list[ModuleHandle] | None = None, **gen) -> RAGAnswer:
@@ -509,7 +498,7 @@ class CachedRAG:
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def close(self) -> None:
-        self.pc.store.close()
+        self.chunks.store.close()
 
 
 def _check_k(k) -> int:

@@ -139,7 +139,7 @@ class AnswerService:
         self._slots = threading.Semaphore(self.max_batch)  # answers in flight
         self._own_batch = False  # whether this service started the engine's batch
         self.max_new_tokens = int(max_new_tokens)
-        self.upload_dir = Path(upload_dir) if upload_dir else Path(rag.index_dir) / "uploads"
+        self.upload_dir = Path(upload_dir) if upload_dir else rag.upload_dir
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._worker: threading.Thread | None = None
@@ -159,7 +159,7 @@ class AnswerService:
 
     def start(self) -> None:
         release_pool()  # the answers' threads keep the only OpenMP pool (pcache_rag.engine.threads)
-        if self.max_batch > 1 and self.rag.pc.scheduler is None:
+        if self.max_batch > 1 and self.rag.pc.batch_stats() is None:
             self.rag.pc.start_batching(max_batch=self.max_batch, prefill_tokens=self.prefill_tokens)
             self._own_batch = True
         if self._worker is None or not self._worker.is_alive():
@@ -170,7 +170,7 @@ class AnswerService:
         """Load what the first question would otherwise wait for: the embedding model, the
         system-prompt states and the index's chunk texts (for document discovery)."""
         self.rag.embedder.embed(["warm up"])
-        self.rag.preamble()
+        self.rag.chunks.preamble()
         self.rag.know_indexed()  # the index's chunks, found in prompts that paste them in
         release_pool()  # this thread now waits; answers run elsewhere
 
@@ -213,7 +213,7 @@ class AnswerService:
 
     @property
     def model_id(self) -> str:
-        return Path(str(getattr(self.rag.pc.model.config, "_name_or_path", "") or "model")).name or "model"
+        return self.rag.pc.model_name
 
     def check_question(self, question) -> str:
         if not isinstance(question, str):
@@ -345,7 +345,7 @@ class AnswerService:
         if len(job.question) < MIN_CHARS:  # shorter than any document discovery looks for
             return False
         self.rag.know_indexed()
-        return bool(self.rag.pc.known_texts.find(job.question))
+        return bool(self.rag.asm.known_texts.find(job.question))
 
     def _rag_stream(self, job: Job, handles: list, notes: list[str]):
         """The RAG model: the retrieved chunks and the question; with a conversation, its system
@@ -504,7 +504,7 @@ class AnswerService:
             "retrieval": self.rag.retrieval,
             "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": bool(self._running),
                       "answering": len(self._running), "max_batch": self.max_batch},
-            "batch": self.rag.pc.scheduler.stats() if self.rag.pc.scheduler else None,
+            "batch": self.rag.pc.batch_stats(),
             **self.counts,
             "ingest": self.ingest_status(),
         }

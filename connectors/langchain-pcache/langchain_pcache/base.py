@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
@@ -87,7 +86,9 @@ class _EngineConfig:
 
     def _engine_key(self) -> tuple[str | None, str | None]:
         if self.index_dir:
-            return self.model, str(Path(self.index_dir).expanduser() / "kv")
+            from pcache_rag import Index
+
+            return self.model, str(Index(self.index_dir, create=False).kv_dir)
         return self.model, self.cache_dir
 
     def _gen(self, stop: list[str] | None, kwargs: dict) -> dict:
@@ -115,16 +116,16 @@ class _EngineConfig:
 
             conditioning: Any = "default"
             if self.index_dir:  # the index's own: its chunks' states are then read as it stored them
-                from pcache_rag.rag import index_conditioning
+                from pcache_rag import Index
 
-                conditioning = index_conditioning(self.index_dir)
+                conditioning = Index(self.index_dir, create=False).conditioning()
             self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble, conditioning)
         return self._assembler
 
     def get_token_ids(self, text: str) -> list[int]:
         """``text``'s token ids by the model's own tokenizer, as plain text (what the model reads
         for it in a prompt; LangChain's default would fetch GPT-2's from a model hub)."""
-        return list(self._asm().pc.safe.text(text))
+        return list(self._asm().safe.text(text))
 
 
 def _content(m: BaseMessage) -> str:
@@ -244,7 +245,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         asm = self._asm()
         segs = asm.message_segments([(_role(m), _content(m)) for m in messages], discover=False)
         pairs = [(seg.text, seg.kind == "markup") for seg in segs if seg.kind != "cut" and seg.text]
-        return len(bos_ids(asm.pc.tokenizer)) + len(asm.pc.safe.segments(pairs))
+        return len(bos_ids(asm.tokenizer)) + len(asm.safe.segments(pairs))
 
     def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
@@ -435,22 +436,20 @@ class PromptCacheRetriever(BaseRetriever):
     _rag: Any = PrivateAttr(default=None)
 
     def model_post_init(self, __context: Any) -> None:
-        from pcache_rag.rag import check_index_dir
+        from pcache_rag import Index
 
         if isinstance(self.k, bool) or self.k < 1:
             raise ValueError(f"k must be a positive integer, not {self.k!r}")
-        check_index_dir(self.index_dir, create=False)  # a mistyped path is an error, not an empty index
+        Index(self.index_dir, create=False)  # a mistyped path is an error, not an empty index
 
     @property
     def rag(self):
         if self._rag is None:
-            from pcache_rag.rag import CachedRAG
-
+            from pcache_rag import CachedRAG, Index
             from pcache_rag.frameworks import shared_engine
 
-
-            pc = shared_engine(self.model, str(Path(self.index_dir).expanduser() / "kv"))
-            self._rag = CachedRAG(self.index_dir, pc=pc, k=self.k, create=False)
+            index = Index(self.index_dir, create=False)
+            self._rag = CachedRAG(index, pc=shared_engine(self.model, str(index.kv_dir)), k=self.k)
         return self._rag
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,

@@ -71,14 +71,16 @@ def _conditioning(index_dir: str | None) -> Any:
     read as it stored them), else the engine's default."""
     if not index_dir:
         return "default"
-    from pcache_rag.rag import index_conditioning
+    from pcache_rag import Index
 
-    return index_conditioning(index_dir)
+    return Index(index_dir, create=False).conditioning()
 
 
 def _engine_key(model: str, index_dir: str | None, cache_dir: str | None) -> tuple[str, str | None]:
     if index_dir:
-        return model, str(Path(index_dir).expanduser() / "kv")
+        from pcache_rag import Index
+
+        return model, str(Index(index_dir, create=False).kv_dir)
     return model, cache_dir
 
 
@@ -135,7 +137,7 @@ class PromptCacheLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         # the context window is the loaded model's (reading it loads the engine, once per config)
-        return LLMMetadata(context_window=self.assembler.pc.max_positions, num_output=self.max_new_tokens, model_name=self.model,
+        return LLMMetadata(context_window=self.assembler.max_positions, num_output=self.max_new_tokens, model_name=self.model,
                            is_chat_model=True, system_role=MessageRole.SYSTEM)
 
     # ------------------------------------------------------------------ internals
@@ -484,11 +486,11 @@ class PromptCacheRetriever(BaseRetriever):
     exactly as the model reads it, so the synthesizer hits the states encoded at ingest."""
 
     def __init__(self, index_dir: str, similarity_top_k: int = 4, model: str = DEFAULT_MODEL, **kwargs: Any):
-        from pcache_rag.rag import check_index_dir
+        from pcache_rag import Index
 
         if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
             raise ValueError(f"similarity_top_k must be a positive integer, not {similarity_top_k!r}")
-        check_index_dir(index_dir, create=False)  # a mistyped path is an error, not an empty index
+        Index(index_dir, create=False)  # a mistyped path is an error, not an empty index
         super().__init__(**kwargs)
         self.index_dir, self.similarity_top_k, self.model = str(index_dir), similarity_top_k, model
         self._rag = None
@@ -496,13 +498,11 @@ class PromptCacheRetriever(BaseRetriever):
     @property
     def rag(self):
         if self._rag is None:
-            from pcache_rag.rag import CachedRAG
-
+            from pcache_rag import CachedRAG, Index
             from pcache_rag.frameworks import shared_engine
 
-
-            pc = shared_engine(*_engine_key(self.model, self.index_dir, None))
-            self._rag = CachedRAG(self.index_dir, pc=pc, k=self.similarity_top_k, create=False)
+            index = Index(self.index_dir, create=False)
+            self._rag = CachedRAG(index, pc=shared_engine(self.model, str(index.kv_dir)), k=self.similarity_top_k)
         return self._rag
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

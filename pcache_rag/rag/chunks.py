@@ -1,0 +1,95 @@
+"""An index's chunk states: how a chunk is tokenized, keyed, encoded, placed and read back.
+
+:class:`ChunkStates` is the part of an index that ingest, maintenance, calibration and
+answering share. It holds the :class:`~pcache_rag.frameworks.Assembler` the chunks are encoded
+under (swapped when the index moves to another conditioning) and the store their states live
+in, handed over directly, so none of them reaches through the engine for either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..frameworks import Assembler
+from ..kv import ModuleKV
+from ..store import KVStore
+from .prompt import chunk_text
+from .types import ModuleHandle
+
+
+class ChunkStates:
+    """The chunks of one index as states: every chunk is encoded once, at the canonical slot
+    right after the preamble (and the conditioning context), and moved to its slot when read."""
+
+    def __init__(self, asm: Assembler, store: KVStore, bytes_per_token: int) -> None:
+        #: the Assembler chunks are encoded and keyed under (its conditioning is the index's)
+        self.asm = asm
+        #: where the states live (the engine's store, the same object)
+        self.store = store
+        #: bytes of stored states per token (the store's dtype, the model's KV shape)
+        self.bytes_per_token = bytes_per_token
+
+    @property
+    def preamble_ids(self) -> list[int]:
+        """The preamble's token ids: the system prompt and the opening of the user turn."""
+        return self.asm.base_ids
+
+    @property
+    def canonical_start(self) -> int:
+        """The position every chunk is encoded at (right after the preamble)."""
+        return len(self.asm.base_ids)
+
+    def preamble(self) -> ModuleKV:
+        """The preamble's states (and, with conditioning, the passages' after it), made and
+        stored on first use: an ingest or a server's warm-up makes them before any chunk."""
+        if self.asm.cond_ids:  # neutral passages or a learned prefix
+            self.asm.conditioned_context()
+        return self.asm.base()
+
+    @staticmethod
+    def text(handle_or_text: ModuleHandle | str, source: str | None = None) -> str:
+        """A chunk as the model reads it: a ``[file name]`` header line, then its text."""
+        if isinstance(handle_or_text, ModuleHandle):
+            return chunk_text(handle_or_text.text, handle_or_text.source)
+        return chunk_text(handle_or_text, source)
+
+    def ids(self, text: str, source: str) -> list[int]:
+        """A chunk's token ids: file names and documents are text, never markup; the same ids
+        as the document marked in a framework's prompt."""
+        return self.asm.doc_ids(self.text(text, source))
+
+    def key(self, ids: list[int], start: int | None = None) -> str:
+        """The store key of a chunk's states (model, conditioning, tokens, positions)."""
+        return self.asm.key(ids, start)
+
+    def encode(self, ids: list[int], key: str, start: int | None = None) -> ModuleKV:
+        """Encode a chunk at its canonical slot and store it under ``key``."""
+        return self.asm.encode_ids(ids, key, start)
+
+    def contains(self, key: str) -> bool:
+        return self.store.contains(key)
+
+    def parts(self, handles: Sequence[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
+        """The prompt's cached parts for ``handles``: the preamble, then each chunk's states at its
+        slot, most relevant last (fetched, or encoded on first use for lazy chunks)."""
+        parts = [("preamble", self.preamble())]
+        start = pos = self.canonical_start
+        for h in sorted(handles, key=lambda h: h.score):  # most relevant last
+            kv = self.store.get(h.kv_key)
+            if kv is None:  # evicted, damaged or lazy: encode from the stored text, under this process's own key
+                ids = self.ids(h.text, h.source)  # (never one keyed for another conditioning: an index moving)
+                key = self.key(ids, start)
+                kv = (self.store.get(key) if key != h.kv_key else None) or self.encode(ids, key, start)
+            if pos != start:
+                kv, _ = self.asm.place(kv, pos)
+            parts.append((h.id, kv))
+            pos += kv.length
+        return parts
+
+    def prompt_ids(self, handles: Sequence[ModuleHandle], question_ids: list[int]) -> list[int]:
+        """The tokens the cached path reads for ``handles`` and the question, for a full prefill."""
+        ids = list(self.preamble_ids)
+        for h in sorted(handles, key=lambda h: h.score):
+            ids.extend(self.ids(h.text, h.source))
+        return ids + question_ids
+
