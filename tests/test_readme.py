@@ -1,10 +1,46 @@
-"""The README's Quick start code runs as written."""
+"""The README's code runs as written: every Python block is run by a test here (the test below
+counts them), and every ``pcache-rag`` command line in its shell blocks parses. The guide's
+structured-output example and the connectors' quick starts run here too."""
 
 import re
+import shlex
 from pathlib import Path
+
+import pytest
 from helpers import last_output
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
+#: the README's Python blocks, by their first line, and the test that runs each
+RUN = {"from pcache_rag import PromptCache, escape": "test_quick_start_block_runs",
+       "from pcache_rag.rag import CachedRAG": "test_rag_block_runs",
+       "import chromadb": "test_llamaindex_example_runs",
+       "from pathlib import Path": "test_langchain_example_runs",
+       "from openai import OpenAI": "test_openai_client_block_runs"}
+
+
+def test_every_python_block_of_the_readme_is_run_here():
+    firsts = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)]
+    assert sorted(firsts) == sorted(RUN), "a README block without a test here (or a test without its block)"
+    assert all(name in globals() for name in RUN.values())
+
+
+def test_the_readmes_command_lines_parse():
+    """Each ``pcache-rag ...`` line of a shell block is a command the CLI takes (parsed, not run;
+    ``[...]`` option lists are dropped)."""
+    from pcache_rag.cli import build_parser
+
+    parser = build_parser()
+    lines = [ln for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S) for ln in b.splitlines()]
+    cmds = [ln.split("#")[0].strip() for ln in lines if ln.strip().startswith("pcache-rag ")]
+    assert len(cmds) >= 10
+    for cmd in cmds:
+        words = shlex.split(re.sub(r"\[[^\]]*\]", "", cmd))[1:]
+        words = [w.split("|")[0] for w in words]  # "ttft|rag": the first choice
+        try:
+            parser.parse_args(words)
+        except SystemExit as e:
+            raise AssertionError(f"the README's `{cmd}` does not parse") from e
 
 
 def test_quick_start_block_runs(smol_dir, capsys):
@@ -16,8 +52,8 @@ def test_quick_start_block_runs(smol_dir, capsys):
     assert out.strip(), "the example printed an answer"
 
 
-def _framework_block(title: str) -> str:
-    text = README.read_text()
+def _framework_block(title: str, doc: Path = README) -> str:
+    text = doc.read_text()
     part = text[text.index(title):]
     return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
@@ -87,6 +123,49 @@ def test_structured_output_example_runs(smol, capsys):
     from pcache_rag.frameworks import register_engine
 
     register_engine(smol)  # the default config's engine: the session's model, an in-memory store
-    exec(compile(textwrap.dedent(_framework_block("* **Structured output.**")), "README.md:structured", "exec"), {})
+    exec(compile(textwrap.dedent(_framework_block("* **Structured output.**", GUIDE)), "guide.md:structured", "exec"),
+         {})
     out = capsys.readouterr().out
     assert "code=4417" in out, out
+
+
+def test_rag_block_runs(tmp_path, monkeypatch, capsys):
+    """``CachedRAG("./my-index")`` over ``./docs``: the embedded model, loaded by the block itself."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "logs.md").write_text("Logs are rotated by logrotate every night at 02:00.\n\n"
+                                               "Rotated logs are compressed with gzip after one day.\n")
+    g: dict = {}
+    exec(compile(_framework_block("```python\nfrom pcache_rag.rag import CachedRAG").replace("```python\n", "", 1),
+                 "README.md:rag", "exec"), g)
+    assert g["ans"].text.strip() and g["ans"].output.cached_tokens > 0
+    assert capsys.readouterr().out.strip(), "the streamed answer was printed"
+    g["rag"].close()
+
+
+def test_openai_client_block_runs(smol, tmp_path, capsys):
+    """The OpenAI client block against a server on a loopback port (its URL put in the block's place)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from helpers import Server
+
+    from pcache_rag import PromptCache
+    from pcache_rag.rag import CachedRAG
+    from pcache_rag.serve import AnswerService, create_app
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "csv.md").write_text("To read a CSV file, open it and pass the file to csv.reader.\n")
+    rag = CachedRAG(tmp_path / "index", pc=PromptCache(smol.model, smol.tokenizer), k=1, chunk_tokens=64)
+    rag.ingest([docs], progress=False)
+    srv = Server(create_app(AnswerService(rag, max_new_tokens=16)))
+    try:
+        code = _framework_block("```python\nfrom openai import OpenAI").replace("```python\n", "", 1)
+        code = code.replace("http://127.0.0.1:8000/v1", f"{srv.url}/v1")
+        assert srv.url in code
+        exec(compile(code, "README.md:openai", "exec"), {})
+    finally:
+        srv.stop()
+        rag.close()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) >= 3 and int(out[-2]) > 0 and "csv.md" in out[-1]
