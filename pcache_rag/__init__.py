@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import ContextOverflowError, Generation, GenerationOutput, PrefillResult, PromptCache, SamplingParams
+    from .engine import (ContextOverflowError, Generation, GenerationOutput, Parts, PrefillResult, PromptCache,
+                         SamplingParams)
     from .models import UnsupportedModelError
     from .pml import PMLError, escape
     from .rag import CachedRAG, Index, IngestTooLargeError
@@ -24,12 +25,12 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {"PromptCache": "engine", "SamplingParams": "engine", "Generation": "engine", "GenerationOutput": "engine",
+_LAZY = {"PromptCache": "engine", "Parts": "engine", "SamplingParams": "engine", "Generation": "engine", "GenerationOutput": "engine",
          "PrefillResult": "engine", "ContextOverflowError": "engine", "UnsupportedModelError": "models",
          "PMLError": "pml", "escape": "pml", "Recompute": "recompute", "CachedRAG": "rag", "Index": "rag",
          "IngestTooLargeError": "rag"}
 
-__all__ = ["PromptCache", "CachedRAG", "Index", "Recompute", "SamplingParams", "Generation", "GenerationOutput",
+__all__ = ["PromptCache", "Parts", "CachedRAG", "Index", "Recompute", "SamplingParams", "Generation", "GenerationOutput",
            "PrefillResult", "escape", "PMLError", "UnsupportedModelError", "ContextOverflowError",
            "IngestTooLargeError"]
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from pcache_rag.engine import Parts
 
 
 def main() -> None:
@@ -70,7 +71,7 @@ def measure(case: str, a) -> dict:
     roles = {"system": "system", "human": "user", "ai": "assistant"}
     plan = asm.plan(asm.message_segments([(roles[m.type], m.content) for m in msgs]), 8)
     ids = torch.cat([kv.token_ids for _, kv in plan.parts] + [torch.tensor(plan.new_ids)]).tolist()
-    full = [asm.pc.generate_parts([], ids, max_new_tokens=1).ttft_s for _ in range(a.repeats)]
+    full = [asm.pc.generate(Parts([], ids), max_new_tokens=1).ttft_s for _ in range(a.repeats)]
     cached = [r["ttft_s"] for r in runs[1:]]
     out = {"case": case, "k": a.k, "doc_tokens": a.doc_tokens, "prompt_tokens": runs[-1]["prompt_tokens"],
            "full_prefill_tokens": len(ids), "cached_tokens": runs[-1]["cached_tokens"],

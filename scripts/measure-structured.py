@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from pcache_rag.engine import Parts
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def measure(a) -> dict:
     turns = [("system", msgs[0].content), ("user", msgs[1].content + SCHEMA_INSTRUCTION + json.dumps(schema))]
     segs = asm.message_segments(turns, discover=False)
     ids = bos_ids(tok) + pc.safe.segments([(s.text, s.kind == "markup") for s in segs if s.kind != "cut" and s.text])
-    full = [pc.generate_parts([], ids, max_new_tokens=a.max_tokens, grammar=json_grammar(schema))
+    full = [pc.generate(Parts([], ids), max_new_tokens=a.max_tokens, grammar=json_grammar(schema))
             for _ in range(a.repeats)]
 
     def per_token(ms):  # the answer's wall time after its first token, per later token

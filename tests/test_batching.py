@@ -19,6 +19,7 @@ from pcache_rag.engine.scheduler import Request, Scheduler, parts_request, run_b
 from pcache_rag.kv import RequestKV
 
 from helpers import contiguous_parts, tiny_model
+from pcache_rag.engine import Parts
 
 TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
          " A heron stood in the shallow river, watching the silver fish below.",
@@ -59,7 +60,7 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
 
     seqs, solo = [], []
     for j, (parts, new) in enumerate(_requests(pc)):
-        res = pc.prefill_parts(parts, new, reserve=8)
+        res = pc.prefill(Parts(parts, new), reserve=8)
         kv = RequestKV.from_workspace(pc.workspace, 8)
         nxt = int(res.position_ids.max()) + 1
         toks = [int(torch.argmax(res.logits))] if j % 2 == 0 else pc.safe.text(" and then it")[:4]
@@ -86,12 +87,12 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
 
 
 def test_batched_answers_equal_one_at_a_time(pc):
-    """generate_parts_batch: every prompt's greedy tokens, text, counts and finish reason equal
-    its generate_parts answer."""
+    """generate_batch: every prompt's greedy tokens, text, counts and finish reason equal its
+    generate answer."""
     reqs = _requests(pc)
-    batch = pc.generate_parts_batch([(p, n, None, None) for p, n in reqs], max_new_tokens=8)
+    batch = pc.generate_batch([Parts(p, n) for p, n in reqs], max_new_tokens=8)
     for (p, n), got in zip(reqs, batch):
-        one = pc.generate_parts(p, n, max_new_tokens=8)
+        one = pc.generate(Parts(p, n), max_new_tokens=8)
         assert got.token_ids == one.token_ids and got.text == one.text
         assert (got.cached_tokens, got.computed_tokens, got.finish_reason) == (
             one.cached_tokens, one.computed_tokens, one.finish_reason)
@@ -101,16 +102,16 @@ def test_batched_answers_equal_one_at_a_time(pc):
 
 def _prep(pc, parts, new):
     """The engine's own prefill in its workspace, as a batch request runs it (the step holds the lock)."""
-    return pc._parts_prepare(parts, list(new), None, pc.policy(None), None)
+    return pc.dispatch.prepare_parts(Parts(parts, list(new)), pc.policy(None))
 
 
 def _direct(pc, parts, new, params):
     """A batch request whose new tokens are prefilled in the batch's own steps."""
-    return parts_request(pc, parts, list(new), params, _prep(pc, parts, new), True)
+    return parts_request(pc.core, parts, list(new), params, _prep(pc, parts, new), True)
 
 
 def _solo(pc, parts, new, params):
-    return pc.generate_parts(parts, new, params=params)
+    return pc.generate(Parts(parts, new), params=params)
 
 
 def test_requests_join_and_leave_a_running_batch(pc):
@@ -129,7 +130,7 @@ def test_requests_join_and_leave_a_running_batch(pc):
     try:
         def run(i):
             time.sleep(0.02 * i)  # arrive one after another: later ones join a running batch
-            stream = pc.stream_parts(*reqs[i], params=params[i])
+            stream = pc.stream(Parts(*reqs[i]), params=params[i])
             deltas = list(stream)
             got[i] = (stream.output, "".join(deltas))
 
@@ -158,15 +159,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(pc):
     parts, q = contiguous_parts(pc, TEXTS[:1])
     long_ids = pc.safe.text(" ".join(TEXTS) * 2)
     assert len(long_ids) > 3 * 16
-    want_long = pc.generate_parts(parts, long_ids, max_new_tokens=6)
-    want_short = pc.generate_parts(parts, q, max_new_tokens=20)
-    want_epic = pc.generate_parts(parts, q, recompute="epic:2", max_new_tokens=6)
-    sched = Scheduler(pc, pc._lock, max_batch=4, prefill_tokens=16)
+    want_long = pc.generate(Parts(parts, long_ids), max_new_tokens=6)
+    want_short = pc.generate(Parts(parts, q), max_new_tokens=20)
+    want_epic = pc.generate(Parts(parts, q), recompute="epic:2", max_new_tokens=6)
+    sched = Scheduler(pc.core, max_batch=4, prefill_tokens=16)
     short = sched.submit(_direct(pc, parts, q, SamplingParams(max_new_tokens=20)))
     sched.step()
     sched.step()  # the short one is decoding
     epic = Request(SamplingParams(max_new_tokens=6), 200,
-                   prepare=pc._parts_prepare(parts, q, None, pc.policy("epic:2"), None))
+                   prepare=pc.dispatch.prepare_parts(Parts(parts, q), pc.policy("epic:2")))
     outs = run_batch(sched, [_direct(pc, parts, long_ids, SamplingParams(max_new_tokens=6)), epic])
     got_short = list(short.items())[-1]
     assert outs[0].token_ids == want_long.token_ids and outs[1].token_ids == want_epic.token_ids
@@ -182,8 +183,8 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
     parts, q = _requests(pc)[0]
     sched = pc.start_batching(max_batch=4)
     try:
-        keep = pc.stream_parts(parts, q, max_new_tokens=24)
-        gone = pc.stream_parts(parts, q, max_new_tokens=24)
+        keep = pc.stream(Parts(parts, q), max_new_tokens=24)
+        gone = pc.stream(Parts(parts, q), max_new_tokens=24)
         next(iter(gone), None)
         gone.close()
         out = keep.result()
@@ -193,7 +194,7 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
         st = sched.stats()
     finally:
         pc.stop_batching()
-    assert out.token_ids == pc.generate_parts(parts, q, max_new_tokens=24).token_ids
+    assert out.token_ids == pc.generate(Parts(parts, q), max_new_tokens=24).token_ids
     assert st["cancelled"] == 1 and st["live"] == 0 and st["live_rows"] == 0
 
 
@@ -212,11 +213,11 @@ def test_the_first_token_is_sampled_before_the_rows_are_copied(pc, monkeypatch):
         return real(ws, extra, positions)
 
     monkeypatch.setattr(sched_mod.RequestKV, "from_workspace", staticmethod(spy))
-    one = pc.generate_parts_batch([(p, n, None, "epic:2") for p, n in reqs], max_new_tokens=1)
+    one = pc.generate_batch([Parts(p, n) for p, n in reqs], "epic:2", max_new_tokens=1)
     assert seen == [] and all(len(o.token_ids) == 1 for o in one)
-    assert [o.token_ids for o in one] == [pc.generate_parts(p, n, recompute="epic:2", max_new_tokens=1).token_ids
+    assert [o.token_ids for o in one] == [pc.generate(Parts(p, n), recompute="epic:2", max_new_tokens=1).token_ids
                                           for p, n in reqs]
-    pc.generate_parts_batch([(p, n, None, "epic:2") for p, n in reqs], max_new_tokens=2)
+    pc.generate_batch([Parts(p, n) for p, n in reqs], "epic:2", max_new_tokens=2)
     assert seen == [2, 2, 2]
 
     calls = {"n": 0}
@@ -228,9 +229,9 @@ def test_the_first_token_is_sampled_before_the_rows_are_copied(pc, monkeypatch):
         return real(ws, extra, positions)
 
     monkeypatch.setattr(sched_mod.RequestKV, "from_workspace", staticmethod(failing_second))
-    batch = [pc._request(p, list(n), None, pc.policy("epic:2"), None, SamplingParams(max_new_tokens=6))
+    batch = [pc.dispatch.request(Parts(p, list(n)), pc.policy("epic:2"), SamplingParams(max_new_tokens=6))
              for p, n in reqs]
-    sched = Scheduler(pc, pc._lock, 4, 4096, None)
+    sched = Scheduler(pc.core, 4, 4096, None)
     for r in batch:
         sched.submit(r)
     sched.run_until_idle()
@@ -238,20 +239,20 @@ def test_the_first_token_is_sampled_before_the_rows_are_copied(pc, monkeypatch):
         list(batch[1].items())
     for i in (0, 2):
         *_, out = batch[i].items()
-        assert out.token_ids == pc.generate_parts(*reqs[i], recompute="epic:2", max_new_tokens=6).token_ids
+        assert out.token_ids == pc.generate(Parts(*reqs[i]), recompute="epic:2", max_new_tokens=6).token_ids
     assert sched.stats()["live"] == 0
 
 
 def test_the_row_budget_makes_requests_wait_and_refuses_what_can_never_fit(pc):
     reqs = _requests(pc)
     sizes = [sum(kv.length for _, kv in p) + len(n) + 6 for p, n in reqs[:2]]
-    sched = Scheduler(pc, pc._lock, max_batch=8, kv_budget=max(sizes))
+    sched = Scheduler(pc.core, max_batch=8, kv_budget=max(sizes))
     batch = [_direct(pc, p, n, SamplingParams(max_new_tokens=6)) for p, n in reqs[:2]]
     assert [r.rows for r in batch] == sizes
     outs = run_batch(sched, batch)
     assert sched.counts["max_batch_seen"] == 1  # the second waited for the first's rows
     for (p, n), o in zip(reqs[:2], outs):
-        assert o.token_ids == pc.generate_parts(p, n, max_new_tokens=6).token_ids
+        assert o.token_ids == pc.generate(Parts(p, n), max_new_tokens=6).token_ids
     with pytest.raises(ContextOverflowError, match="KV rows"):
         sched.submit(Request(SamplingParams(), max(sizes) + 1, prepare=_prep(pc, *reqs[0])))
 
@@ -261,11 +262,11 @@ def test_a_grammar_constrained_answer_decodes_in_the_batch(pc):
 
     parts, q = _requests(pc)[0]
     g = regex_grammar(r"[0-9]{4}")
-    want = pc.generate_parts(parts, q, grammar=g, max_new_tokens=8)
+    want = pc.generate(Parts(parts, q), grammar=g, max_new_tokens=8)
     pc.start_batching()
     try:
-        other = pc.stream_parts(parts, q, max_new_tokens=8)
-        got = pc.stream_parts(parts, q, grammar=g, max_new_tokens=8).result()
+        other = pc.stream(Parts(parts, q), max_new_tokens=8)
+        got = pc.stream(Parts(parts, q), grammar=g, max_new_tokens=8).result()
         other.result()
     finally:
         pc.stop_batching()
@@ -276,10 +277,10 @@ def test_a_grammar_constrained_answer_decodes_in_the_batch(pc):
 def test_alibi_decodes_alone_and_says_so(smol_tok):
     pc = _engine("bloom", smol_tok)
     parts, q = contiguous_parts(pc, TEXTS[:2])
-    want = pc.generate_parts(parts, q, max_new_tokens=5)
+    want = pc.generate(Parts(parts, q), max_new_tokens=5)
     pc.start_batching()
     try:
-        got = pc.generate_parts(parts, q, max_new_tokens=5)
+        got = pc.generate(Parts(parts, q), max_new_tokens=5)
     finally:
         pc.stop_batching()
     assert got.token_ids == want.token_ids
@@ -288,7 +289,7 @@ def test_alibi_decodes_alone_and_says_so(smol_tok):
 
 def test_stopping_the_batch_fails_what_waits_instead_of_hanging(pc):
     parts, q = _requests(pc)[0]
-    sched = Scheduler(pc, pc._lock)  # never started: requests wait
+    sched = Scheduler(pc.core)  # never started: requests wait
     req = sched.submit(_direct(pc, parts, q, SamplingParams()))
     sched.stop()
     with pytest.raises(RuntimeError, match="stopped"):

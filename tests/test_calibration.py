@@ -22,6 +22,7 @@ from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.models import attention as A
 from pcache_rag.models.attention import CalibratedSpan, Calibration
+from pcache_rag.engine import Parts
 
 
 def _dense(query, key, value, scaling, span=None):
@@ -136,24 +137,23 @@ def pc(request, smol_tok):
 def test_calibrated_generation_equals_the_reference(pc, spec):
     parts, new = _parts(pc)
     cal = Calibration.parse(spec)
-    res = pc.prefill_parts(parts, new, calibration=spec)
+    res = pc.prefill(Parts(parts, new, calibration=spec))
     assert res.calibrated == CalibratedSpan(parts[0][1].length, sum(kv.length for _, kv in parts), cal)
     toks, first = _reference_greedy(pc, parts, new, cal, 6)
     assert (res.logits - first).abs().max() < 1e-4
-    plain = pc.prefill_parts(parts, new)
+    plain = pc.prefill(Parts(parts, new))
     assert (res.logits - plain.logits).abs().max() > 1e-3  # the calibration is not a no-op here
-    out = pc.generate_parts(parts, new, calibration=spec, max_new_tokens=6)
+    out = pc.generate(Parts(parts, new, calibration=spec), max_new_tokens=6)
     assert out.token_ids[: len(toks)] == toks[: len(out.token_ids)] and out.token_ids
-    batch = pc.generate_parts_batch([(parts, new, None, None, spec), (parts, new, None, None, None)],
-                                    max_new_tokens=6)
+    batch = pc.generate_batch([Parts(parts, new, calibration=spec), Parts(parts, new)], max_new_tokens=6)
     assert batch[0].token_ids == out.token_ids
-    assert batch[1].token_ids == pc.generate_parts(parts, new, max_new_tokens=6).token_ids
+    assert batch[1].token_ids == pc.generate(Parts(parts, new), max_new_tokens=6).token_ids
 
 
 def test_identity_calibration_and_the_uncalibrated_split(pc):
     parts, new = _parts(pc)
-    plain = pc.prefill_parts(parts, new)
-    one = pc.prefill_parts(parts, new, calibration="ape:1:1")
+    plain = pc.prefill(Parts(parts, new))
+    one = pc.prefill(Parts(parts, new, calibration="ape:1:1"))
     assert (plain.logits - one.logits).abs().max() < 1e-5
     _, first = _reference_greedy(pc, parts, new, None, 1)
     assert (plain.logits - first).abs().max() < 1e-4
@@ -162,10 +162,10 @@ def test_identity_calibration_and_the_uncalibrated_split(pc):
 def test_refused_by_name(pc, smol_tok):
     parts, new = _parts(pc)
     with pytest.raises(ValueError, match="does not combine with recompute"):
-        pc.prefill_parts(parts, new, recompute="epic:2", calibration="ape:0.9:0.9")
+        pc.prefill(Parts(parts, new, calibration="ape:0.9:0.9"), recompute="epic:2")
     with pytest.raises(ValueError, match="ape:T:S"):
-        pc.prefill_parts(parts, new, calibration="0.9")
+        pc.prefill(Parts(parts, new, calibration="0.9"))
     bloom = PromptCache(tiny_model("bloom", len(smol_tok)), smol_tok, encoding="isolated", store_dtype=None)
     bp, bn = _parts(bloom)
     with pytest.raises(UnsupportedModelError, match="ALiBi"):
-        bloom.prefill_parts(bp, bn, calibration="ape:0.9:0.9")
+        bloom.prefill(Parts(bp, bn, calibration="ape:0.9:0.9"))

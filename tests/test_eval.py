@@ -8,6 +8,7 @@ import pytest
 
 from pcache_rag.cli import main
 from pcache_rag.measure.quality import DEFAULT_MODES, SETS, build_sets, contains, inputs_hash, mcnemar_p, token_f1, wilson
+from pcache_rag.engine import Parts
 
 
 def test_metrics():
@@ -144,7 +145,8 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
     sets = build_sets(smol_tok, 3, 80, seed=2)
     for name in ("plain", "cross"):
         for q in sets[name]:
-            parts, _, _, policy, _ = syn.request("oracle:fact", q)
+            prompt, policy = syn.request("oracle:fact", q)
+            parts = prompt.parts
             lengths = [kv.length for _, kv in parts]
             ids = [int(i) for _, kv in parts for i in kv.token_ids]
             text = smol_tok.decode([ids[r] for r in policy.rows])
@@ -152,8 +154,8 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
             for f in q.facts:
                 assert f in text.replace("\n", " "), (f, text)
             assert len(policy.rows) < 0.15 * sum(lengths[1:])
-            answer = set(syn.request("oracle:answer", q)[3].rows)
-            others = set(syn.request("oracle:others", q)[3].rows)
+            answer = set(syn.request("oracle:answer", q)[1].rows)
+            others = set(syn.request("oracle:others", q)[1].rows)
             assert set(policy.rows) <= answer and not answer & others
             assert answer | others == set(range(lengths[0], sum(lengths)))
             holders = sum(any(f in d for f in q.facts) for d in q.docs)
@@ -188,7 +190,7 @@ def test_the_agreement_floor_is_full_prefill_with_the_documents_reordered(smol_d
     m, tok = load_model(str(smol_dir))
     syn = _Synthetic(m, tok)
     q = build_sets(tok, 1, 48)["plain"][0]
-    full, again = (syn.request(mode, q)[1] for mode in ("full", REORDERED))
+    full, again = (list(syn.request(mode, q)[0].new_ids) for mode in ("full", REORDERED))
     assert sorted(full) == sorted(again) and full != again, "the same tokens, the documents in another order"
     s = run_eval(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=("full", REORDERED, "preamble"),
                  sets=("plain", "rag"), out_dir=None, log=lambda *a: None)
@@ -221,9 +223,9 @@ def test_int8_modes_read_the_same_states_quantized(smol_tok):
     assert torch.equal(back.token_ids, fp.token_ids) and torch.equal(back.position_ids, fp.position_ids)
     err = (back.values - fp.values.float()).abs().max() / fp.values.float().abs().max()
     assert 0 < err < 0.05, err  # quantized for real, and close
-    a = syn.request("preamble", q)
-    b = syn.request("preamble@int8", q)
-    assert a[1] == b[1] and [kv.length for _, kv in a[0]] == [kv.length for _, kv in b[0]]
+    a, _ = syn.request("preamble", q)
+    b, _ = syn.request("preamble@int8", q)
+    assert a.new_ids == b.new_ids and [kv.length for _, kv in a.parts] == [kv.length for _, kv in b.parts]
     outs = syn.answers(("preamble", "preamble@int8"), q, 4)
     assert len(outs) == 2 and all(o.token_ids for o in outs)
     with pytest.raises(ValueError, match="preamble@int8.*synthetic sets only"):
@@ -295,19 +297,19 @@ def test_ttft_is_each_requests_alone_where_a_batch_holds_several(smol_tok):
     ids = pc.safe.text("The gate opens at dawn. " * 8)
     doc = pc.encode(ids, list(range(len(ids))))
     q = pc.safe.text("When does it open?")
-    reqs = [([], ids + q, None, None), ([("d", doc)], q, None, None), ([("d", doc)], q, None, None)]
+    reqs = [(Parts([], ids + q), None), (Parts([("d", doc)], q), None), (Parts([("d", doc)], q), None)]
     alone: list = []
-    real = pc.generate_parts
+    real = pc.generate
 
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        alone.append((a[1], kw))
+    def spy(prompt, **kw):
+        out = real(prompt, **kw)
+        alone.append((list(prompt.new_ids), kw))
         return out
 
-    pc.generate_parts = spy
+    pc.generate = spy
     outs = _decode_apart(pc, ["full", "cond:1", "cond:2"], reqs, max_new_tokens=3)
-    assert [n for n, _ in alone] == [q, q] and all(kw == {"max_new_tokens": 1} for _, kw in alone)
-    batch = pc.generate_parts_batch(reqs[1:], max_new_tokens=3, stop=answer_stop(pc))
+    assert [n for n, _ in alone] == [q, q] and all(kw == {"recompute": None, "max_new_tokens": 1} for _, kw in alone)
+    batch = pc.generate_batch([p for p, _ in reqs[1:]], max_new_tokens=3, stop=answer_stop(pc))
     assert [o.text for o in outs[1:]] == [o.text for o in batch]  # the answers are the batch's
     assert all(o.ttft_s > 0 for o in outs)
 

@@ -13,6 +13,7 @@ from pcache_rag import PromptCache
 from pcache_rag.models.fast_decode import DecodeLinear, decoding, use_decode_weights
 
 from helpers import contiguous_parts, tiny_model
+from pcache_rag.engine import Parts
 
 TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
          " A heron stood in the shallow river, watching the silver fish below.",
@@ -58,9 +59,9 @@ def test_a_request_decodes_the_same_alone_and_in_a_batch(fast, smol_tok):
     pc, _ = fast
     reqs = [contiguous_parts(pc, TEXTS[i:] + TEXTS[:i], q) for i, q in
             enumerate([" Which code opens it?", " What did the heron watch?", " Where are the maps?"])]
-    batch = pc.generate_parts_batch([(p, n, None, None) for p, n in reqs], max_new_tokens=8)
+    batch = pc.generate_batch([Parts(p, n) for p, n in reqs], max_new_tokens=8)
     for (p, n), got in zip(reqs, batch):
-        one = pc.generate_parts(p, n, max_new_tokens=8)
+        one = pc.generate(Parts(p, n), max_new_tokens=8)
         assert got.token_ids == one.token_ids and got.decode_batch == len(reqs)
     assert len({tuple(b.token_ids) for b in batch}) > 1
 

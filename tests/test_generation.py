@@ -5,6 +5,7 @@ import torch
 
 from helpers import tiny_model
 from pcache_rag import PromptCache
+from pcache_rag.engine import Parts
 
 SCHEMA = '<schema name="g"><module name="doc">A short document that the prompt starts with.</module></schema>'
 PROMPT = '<prompt schema="g"><doc/> and then the question</prompt>'
@@ -81,7 +82,7 @@ def test_no_autograd_graph_on_any_path(smol_tok):
     p.model.register_forward_hook(lambda m, a, o: seen.append(torch.is_grad_enabled()))
     p.generate(PROMPT, max_new_tokens=3)
     list(p.stream(PROMPT, max_new_tokens=2))
-    p.generate_text("plain text", max_new_tokens=2)
+    p.generate(Parts([], p.text_ids("plain text")), max_new_tokens=2)
     p.prefill(PROMPT)
     assert seen and not any(seen)
 

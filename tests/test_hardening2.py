@@ -203,7 +203,7 @@ def test_3_cross_site_writes_json_as_text_and_foreign_hosts_are_refused(guarded)
                     {"Sec-Fetch-Site": "same-site"}):
         r = httpx.post(f"{srv.url}/api/documents", files=files, headers=headers)
         assert r.status_code == 403, headers
-    assert not (service.upload_dir / "evil.md").exists()
+    assert not (service.uploads.upload_dir / "evil.md").exists()
     r = httpx.get(f"{srv.url}/api/status", headers={"Host": "evil.example"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
     assert httpx.get(f"{srv.url}/api/status", headers={"Host": f"localhost:{srv.port}"}).status_code == 200
@@ -291,8 +291,8 @@ def test_3_an_attackers_page_in_chromium_cannot_upload_ask_or_rebind(guarded, tm
     finally:
         evil.shutdown()
     time.sleep(0.5)
-    assert not (service.upload_dir / "evil.md").exists(), "the cross-site upload was refused"
-    assert not service.ingest_state.running and service.ingest_state.report is None, "no ingest started"
+    assert not (service.uploads.upload_dir / "evil.md").exists(), "the cross-site upload was refused"
+    assert not service.uploads.state.running and service.uploads.state.report is None, "no ingest started"
     assert service.counts["answered"] == 0 and service.counts["failed"] == 0, "the text/plain question was refused"
     assert rebound == 400
 
@@ -473,7 +473,7 @@ def test_8_sizes_are_checked_before_bodies_are_read(guarded):
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
     status, _ = _raw(srv.port, head, chunk * 4)
     assert status == 413
-    leftovers = list(service.upload_dir.glob("*")) if service.upload_dir.exists() else []
+    leftovers = list(service.uploads.upload_dir.glob("*")) if service.uploads.upload_dir.exists() else []
     assert not leftovers
 
 
@@ -494,12 +494,12 @@ def test_9_uploads_left_by_a_killed_ingest_are_reported_and_finished(smol, tmp_p
     assert not v.clean and v.pending_uploads == [str((uploads / "lighthouse.md").resolve())]
     assert any("pending uploads" in line for line in v.lines())
     service = AnswerService(rag)  # a server starting on this index finishes them
-    assert service.resume_uploads() == ["lighthouse.md"]
+    assert service.uploads.resume() == ["lighthouse.md"]
     deadline = time.time() + 120
-    while service.ingest_state.running:
+    while service.uploads.state.running:
         assert time.time() < deadline
         time.sleep(0.1)
-    assert service.ingest_state.report and service.ingest_state.report["added"] == 1
+    assert service.uploads.state.report and service.uploads.state.report["added"] == 1
     assert not (uploads / ".lighthouse2.md.part").exists()
     assert rag.verify().clean
     assert rag.retrieve("Who keeps the lighthouse?")[0].source.endswith("lighthouse.md")
@@ -524,9 +524,9 @@ def test_10_deep_json_duplicate_names_and_lone_surrogates_get_clear_400s(guarded
     files = [("files", ("same.md", b"one")), ("files", ("same.md", b"two"))]
     r = httpx.post(f"{srv.url}/api/documents", files=files)
     assert r.status_code == 400 and "same name" in r.json()["error"]["message"]
-    assert not (service.upload_dir / "same.md").exists()
-    (service.upload_dir).mkdir(parents=True, exist_ok=True)
-    service.rag.ingest([_corpus(service.upload_dir.parent / "docs")], progress=False)
+    assert not (service.uploads.upload_dir / "same.md").exists()
+    (service.uploads.upload_dir).mkdir(parents=True, exist_ok=True)
+    service.rag.ingest([_corpus(service.uploads.upload_dir.parent / "docs")], progress=False)
     body = '{"model": "pcache-rag", "messages": [{"role": "user", "content": "Who owns \\ud800 the bakery?"}]}'
     r = httpx.post(f"{srv.url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400

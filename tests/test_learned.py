@@ -16,6 +16,7 @@ from pcache_rag import PromptCache
 from pcache_rag.conditioning import LearnedPrefix, conditioning_kind
 from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler
 from pcache_rag.rag.learned import Prompt, Student, initial_embeds, kl, learn_prefix, teacher
+from pcache_rag.engine import Parts
 
 
 def _prompts(asm: Assembler, n: int, seed: int, k: int = 3) -> list[Prompt]:
@@ -97,7 +98,7 @@ def test_the_student_is_the_engines_cached_path(pc):
         parts.append((f"d{j}", kv))
         pos += kv.length
     for i in range(len(forced) + 1):
-        ref = pc.prefill_parts(parts, prompt.question + forced[:i], preamble="preamble").logits.float()
+        ref = pc.prefill(Parts(parts, prompt.question + forced[:i], preamble="preamble")).logits.float()
         assert torch.allclose(torch.log_softmax(ref, -1), got[i], atol=1e-4), i
 
 

@@ -9,6 +9,7 @@ import torch
 from helpers import tiny_model, last_output
 from pcache_rag import PromptCache
 from pcache_rag.rag import CachedRAG
+from pcache_rag.engine import Parts
 
 DOCS = {
     "rivers.md": "The Nile flows north into the Mediterranean Sea.\n\nThe Amazon carries more water than any other river.",
@@ -102,8 +103,8 @@ def test_placed_chunk_equals_encoding_at_the_slot(smol_tok, tmp_path, family):
     assert torch.equal(placed.position_ids, direct.position_ids)
     assert (placed.keys.float() - direct.keys.float()).abs().max() < 1e-4
     filler = pc.encode(ids[:5] * 8, list(range(3, 43)))
-    a = pc.prefill_parts([("p", pre), ("f", filler), ("c", placed)], q).logits
-    b = pc.prefill_parts([("p", pre), ("f", filler), ("c", direct)], q).logits
+    a = pc.prefill(Parts([("p", pre), ("f", filler), ("c", placed)], q)).logits
+    b = pc.prefill(Parts([("p", pre), ("f", filler), ("c", direct)], q)).logits
     assert (a - b).abs().max() < 1e-4
 
 
@@ -239,6 +240,6 @@ def test_recompute_default_is_match_unless_calibrated(smol, tmp_path, corpus):
     assert CachedRAG(tmp_path / "index", pc=smol, recompute="EPIC:4").recompute == "epic:4"
     cal = CachedRAG(tmp_path / "index", pc=smol, calibration="ape:0.9:0.9")
     assert cal.calibration[0] == "ape:0.9:0.9" and cal.recompute is None
-    assert cal._answer_gen({})["calibration"] == "ape:0.9:0.9"
+    assert cal._prompt([], [1], {})[0].calibration == "ape:0.9:0.9"
     with pytest.raises(ValueError, match="recompute must be"):
         CachedRAG(tmp_path / "index", pc=smol, recompute="match:0")

@@ -19,6 +19,7 @@ from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, epic_rows, focus_scores, match_rows,
                                   question_attention, recompute_mask, select_rows)
+from pcache_rag.engine import Parts
 
 FAMILIES = ["llama", "qwen2", "gpt2", "bloom", "mpt"] + WINDOWED
 TEXTS = ["Alpha document with several words in it and more.", "Bravo text that follows the alpha one here.",
@@ -81,7 +82,7 @@ def _reference(pc, parts, new_ids, rows):
 
 def test_all_equals_one_causal_forward(pc):
     parts, new = _parts(pc)
-    res = pc.prefill_parts(parts, new, recompute="all")
+    res = pc.prefill(Parts(parts, new), recompute="all")
     C = sum(kv.length for _, kv in parts)
     assert res.recomputed_tokens == C and res.cached_tokens == 0 and res.computed_tokens == C + len(new)
     model = copy.deepcopy(pc.model)
@@ -96,8 +97,8 @@ def test_all_equals_one_causal_forward(pc):
 
 def test_none_is_the_cached_path_unchanged(pc):
     parts, new = _parts(pc)
-    plain = pc.prefill_parts(parts, new)
-    none = pc.prefill_parts(parts, new, recompute="none")
+    plain = pc.prefill(Parts(parts, new))
+    none = pc.prefill(Parts(parts, new), recompute="none")
     assert torch.equal(plain.logits, none.logits) and none.recomputed_tokens == 0
     ref = _reference(pc, parts, new, [])[-1]
     assert (ref - none.logits).abs().max().item() < 1e-4
@@ -114,7 +115,7 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
     new_pos = list(range(sum(kv.length for kv in kvs), sum(kv.length for kv in kvs) + len(new)))
     if policy.kind == "focus" and pc.adapter.family == "alibi":
         with pytest.raises(UnsupportedModelError, match="focus"):
-            pc.prefill_parts(parts, new, recompute=spec)
+            pc.prefill(Parts(parts, new), recompute=spec)
         return
     rows = select_rows(pc.adapter, pc.workspace, kvs, policy, new, new_pos, pc.prefiller.lexicon)
     if policy.kind == "match":  # the question ("Which chunk is third?") names the third chunk's words
@@ -126,12 +127,12 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
         assert rows == list(policy.rows) and rows[:2] == [kvs[0].length + 1, kvs[0].length + 3]
     first = parts[0][1].length
     assert rows and min(rows) >= first, "the first unit is never recomputed"
-    res = pc.prefill_parts(parts, new, recompute=spec)
+    res = pc.prefill(Parts(parts, new), recompute=spec)
     assert res.recomputed_tokens == len(rows) and res.computed_tokens == len(new) + len(rows)
     ref = _reference(pc, parts, new, rows)
     err = (ref[-1] - res.logits).abs().max().item()
     assert err < 1e-4, spec
-    cached = pc.prefill_parts(parts, new, recompute="none").logits
+    cached = pc.prefill(Parts(parts, new), recompute="none").logits
     diff = (cached - res.logits).abs().max().item()
     assert diff > 100 * max(err, 1e-7), f"{spec}: recomputing must change the logits ({diff} vs error {err})"
 
@@ -139,7 +140,7 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
 def test_decoding_after_recompute_reads_the_fresh_rows(pc):
     """Greedy tokens generated after a recompute equal the reference continued token by token."""
     parts, new = _parts(pc)
-    out = pc.generate_parts(parts, new, recompute="epic:3", max_new_tokens=4)
+    out = pc.generate(Parts(parts, new), recompute="epic:3", max_new_tokens=4)
     rows = epic_rows([kv.length for _, kv in parts], 3)
     seq = list(new)
     for tok in out.token_ids:
@@ -148,8 +149,8 @@ def test_decoding_after_recompute_reads_the_fresh_rows(pc):
         seq.append(tok)
     assert out.recomputed_tokens == len(rows)
     # the workspace is not left holding recomputed rows as if they were the stored states
-    again = pc.prefill_parts(parts, new)
-    assert (again.logits - pc.prefill_parts(parts, new, recompute="none").logits).abs().max() == 0
+    again = pc.prefill(Parts(parts, new))
+    assert (again.logits - pc.prefill(Parts(parts, new), recompute="none").logits).abs().max() == 0
     assert (again.logits - _reference(pc, parts, new, [])[-1]).abs().max().item() < 1e-4
 
 
@@ -195,9 +196,9 @@ def test_explicit_rows_outside_the_prompt_are_refused(smol_tok):
     first, C = parts[0][1].length, sum(kv.length for _, kv in parts)
     for bad in ([0], [C]):  # the first unit's rows are exact already; C is past the context
         with pytest.raises(ValueError, match="outside the rows after the first unit"):
-            pc.prefill_parts(parts, new, recompute=Recompute.explicit(bad + [first]))
+            pc.prefill(Parts(parts, new), recompute=Recompute.explicit(bad + [first]))
     with pytest.raises(ValueError, match="outside the rows after the first unit"):  # one unit: not dropped
-        pc.prefill_parts(parts[:1], new, recompute=Recompute.explicit([1]))
+        pc.prefill(Parts(parts[:1], new), recompute=Recompute.explicit([1]))
 
 
 def test_focus_ranks_by_the_questions_attention(smol_tok):
@@ -229,16 +230,16 @@ def test_focus_ranks_by_the_questions_attention(smol_tok):
 
 
 def test_batched_decoding_equals_one_at_a_time(smol_tok):
-    """``generate_parts_batch``: the same tokens, text and counts as ``generate_parts`` for
+    """``generate_batch``: the same tokens, text and counts as ``generate`` for
     each request (several policies, plus a full prefill of another length)."""
     model = sharp_model("llama", len(smol_tok), seed=5)
     pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
     parts, new = _parts(pc)
     full = [i for _, kv in parts for i in kv.token_ids.tolist()] + new
-    reqs = [(parts, new, None, rc) for rc in ("none", "epic:2", "focus:0.3", "all")] + [([], full[3:], None, None)]
-    batch = pc.generate_parts_batch(reqs, max_new_tokens=6)
-    for (p, ids, _, rc), got in zip(reqs, batch):
-        one = pc.generate_parts(p, ids, recompute=rc, max_new_tokens=6)
+    reqs = [(parts, new, rc) for rc in ("none", "epic:2", "focus:0.3", "all")] + [([], full[3:], None)]
+    batch = pc.generate_batch([Parts(p, ids) for p, ids, _ in reqs], [rc for *_, rc in reqs], max_new_tokens=6)
+    for (p, ids, rc), got in zip(reqs, batch):
+        one = pc.generate(Parts(p, ids), recompute=rc, max_new_tokens=6)
         assert got.token_ids == one.token_ids and got.text == one.text, rc
         assert (got.cached_tokens, got.computed_tokens, got.recomputed_tokens) == (
             one.cached_tokens, one.computed_tokens, one.recomputed_tokens)
@@ -268,19 +269,19 @@ def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatc
     calls = []
     real = attention.recompute_attention
     monkeypatch.setattr(attention, "recompute_attention", lambda *a: calls.append(1) or real(*a))
-    split = pc.prefill_parts(parts, new, recompute=spec)
+    split = pc.prefill(Parts(parts, new), recompute=spec)
     if pc.adapter.family == "alibi" or pc.adapter.constrained:  # ALiBi's bias comes with its mask, and
         # windows and soft-capping are applied to the dense mask: the dense path stays
         assert not calls and split.recomputed_tokens > 0
         return
-    split_tokens = pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids
+    split_tokens = pc.generate(Parts(parts, new), recompute=spec, max_new_tokens=4).token_ids
     assert calls, "the split path ran"
     monkeypatch.setattr(pc.prefiller, "split_recompute", False)  # the dense-mask path
     calls.clear()
-    masked = pc.prefill_parts(parts, new, recompute=spec)
+    masked = pc.prefill(Parts(parts, new), recompute=spec)
     assert not calls and masked.recomputed_tokens == split.recomputed_tokens > 0
     assert (split.logits - masked.logits).abs().max().item() < 1e-5
-    assert pc.generate_parts(parts, new, recompute=spec, max_new_tokens=4).token_ids == split_tokens
+    assert pc.generate(Parts(parts, new), recompute=spec, max_new_tokens=4).token_ids == split_tokens
 
 
 def test_lexicon_cuts_sentences_and_lines_on_token_boundaries(smol_tok):
@@ -316,9 +317,9 @@ def test_match_chains_to_the_sentence_the_first_one_names(smol_tok):
     first, hop = seg["Mira Holt works for Zentrix Labs."], seg["Zentrix Labs is based in Oslo."]
     assert match_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*first))
     assert match_rows(pc.prefiller.lexicon, kvs, new, 2) == list(range(*first)) + list(range(*hop))
-    res = pc.prefill_parts(parts, new, recompute="match:2")
+    res = pc.prefill(Parts(parts, new), recompute="match:2")
     assert res.recomputed_tokens == (first[1] - first[0]) + (hop[1] - hop[0])
-    assert pc.prefill_parts(parts, pc.safe.text(" Unrelated?"), recompute="match:3").recomputed_tokens == 0
+    assert pc.prefill(Parts(parts, pc.safe.text(" Unrelated?")), recompute="match:3").recomputed_tokens == 0
     with pytest.raises(ValueError, match="match"):
         select_rows(pc.adapter, pc.workspace, kvs, Recompute.parse("match:1"), new, [], None)
     with pytest.raises(ValueError, match="new tokens"):

@@ -15,6 +15,7 @@ import torch
 from helpers import RedisServer, free_port, tiny_model, wait_http
 
 from pcache_rag.conditioning import installed_prefix
+from pcache_rag.engine import Parts
 
 redis = pytest.importorskip("redis")
 
@@ -48,14 +49,15 @@ def _engine(smol, kv_dir: Path, url: str):
 
 
 def _count_encodes(pc) -> list[int]:
+    """Counts the engine's encodes (every path goes through its encoder's ``encode``)."""
     n = [0]
-    encode = pc.encode
+    encode = pc.encoder.encode
 
     def counted(*a, **kw):
         n[0] += 1
         return encode(*a, **kw)
 
-    pc.encode = counted
+    pc.encoder.encode = counted
     return n
 
 
@@ -71,7 +73,7 @@ def _machine(smol, root: Path, url: str, from_index: Path | None = None):
 
 def _logits(rag, q: str) -> torch.Tensor:
     handles = rag.retrieve(q)
-    res = rag.pc.prefill_parts(rag.parts(handles), rag.question_ids(q), preamble="preamble")
+    res = rag.pc.prefill(Parts(rag.parts(handles), rag.question_ids(q), preamble="preamble"))
     return res.logits
 
 

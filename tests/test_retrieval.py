@@ -148,13 +148,13 @@ def test_calibrate_saves_for_this_model_and_answers_use_it(smol, tmp_path, corpu
     assert fresh.calibration[0] == want and (want is None or fresh.calibration[1].startswith("the index's"))
     # answers pass it to the engine (forced here to a calibration, whatever was chosen)
     seen = {}
-    real = smol.generate_parts
+    real = smol.generate
 
-    def spy(*a, **kw):
-        seen.update(kw)
-        return real(*a, **kw)
+    def spy(prompt, **kw):
+        seen.update(kw, calibration=prompt.calibration)
+        return real(prompt, **kw)
 
-    monkeypatch.setattr(smol, "generate_parts", spy)
+    monkeypatch.setattr(smol, "generate", spy)
     forced = CachedRAG(tmp_path / "index", pc=smol, k=2, calibration="ape:0.9:0.9")
     assert forced.calibration == ("ape:0.9:0.9", "given")
     forced.answer("What is the vault code?", max_new_tokens=2)

@@ -367,14 +367,14 @@ def test_uploads_unsupported_oversized_and_names_that_try_to_escape(served):
     assert r.status_code == 415 and ".exe" in r.json()["error"]["message"]
     r = httpx.post(u, files={"files": ("big.txt", b"word " * 20000, "text/plain")})  # 100 KB > 0.05 MB
     assert r.status_code == 413 and "upload limit" in r.json()["error"]["message"]
-    assert not (service.upload_dir / "big.txt").exists() and not list(service.upload_dir.glob(".*part"))
+    assert not (service.uploads.upload_dir / "big.txt").exists() and not list(service.uploads.upload_dir.glob(".*part"))
     r = httpx.post(u, files={"files": ("", b"x", "text/plain")})
     assert r.status_code in (400, 422)
-    outside = service.upload_dir.parent / "escaped.md"
+    outside = service.uploads.upload_dir.parent / "escaped.md"
     r = httpx.post(u, files={"files": ("../../escaped.md", b"The lighthouse keeper is Ada Moreno.\n", "text/markdown")})
     assert r.status_code == 202 and r.json()["files"] == ["escaped.md"]
     _wait_ingest(srv.url)
-    assert (service.upload_dir / "escaped.md").is_file() and not outside.exists()
+    assert (service.uploads.upload_dir / "escaped.md").is_file() and not outside.exists()
     rep = httpx.get(srv.url + "/api/ingest").json()["report"]
     assert rep["added"] == 1 and rep["chunks_encoded"] == 1
 

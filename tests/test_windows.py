@@ -14,6 +14,7 @@ import torch
 from helpers import WINDOW, WINDOWED, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
+from pcache_rag.engine import Parts
 
 TEXTS = ["Alpha document with several words in it and more of them.",
          "Bravo text that follows the alpha one here, a little longer.",
@@ -51,7 +52,7 @@ def _stock_greedy(pc, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tenso
 def test_greedy_decoding_past_the_window_matches_the_stock_model(pc):
     parts, new = contiguous_parts(pc, TEXTS)
     n = 2 * WINDOW  # decode well past the window, so the earliest keys leave it
-    got = pc.generate_parts(parts, new, max_new_tokens=n, stop=[]).token_ids
+    got = pc.generate(Parts(parts, new), max_new_tokens=n, stop=[]).token_ids
     kvs = [kv for _, kv in parts]
     C = sum(kv.length for kv in kvs)
     assert C + len(new) > WINDOW
@@ -112,7 +113,7 @@ def test_windows_are_counted_over_positions_not_rows(pc):
     local layers, although every row is in the cache."""
     parts, new = contiguous_parts(pc, TEXTS[:2])
     far = pc.place(parts[1][1], 500)  # positions 500.. : the first unit is > WINDOW behind
-    res = pc.prefill_parts([parts[0], ("far", far)], new)
+    res = pc.prefill(Parts([parts[0], ("far", far)], new))
     C = parts[0][1].length + far.length
     ids = torch.cat([parts[0][1].token_ids, far.token_ids, torch.tensor(new)])
     pos = torch.cat([parts[0][1].position_ids, far.position_ids,
@@ -137,5 +138,5 @@ def test_what_windows_cannot_serve_is_refused_by_name(pc):
     why = pc.adapter.constrained
     assert why and ("sliding-window" in why or "soft-capped" in why)
     with pytest.raises(UnsupportedModelError, match="calibrated attention"):
-        pc.prefill_parts(parts, new, calibration="ape:0.9:0.9")
+        pc.prefill(Parts(parts, new, calibration="ape:0.9:0.9"))
     assert pc.batch_refusal == "", "windowed models batch: each sequence counts its window over its own rows"

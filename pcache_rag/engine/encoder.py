@@ -30,6 +30,16 @@ class Encoder:
         self._context_memo: tuple[str, ModuleKV] | None = None
         self._cond_memo: tuple[str, ModuleKV] | None = None
 
+    def place(self, kv: ModuleKV, start: int) -> ModuleKV:
+        """The states of ``kv`` moved so its first token sits at position ``start``.
+
+        RoPE keys are re-rotated (exact up to rounding); ALiBi states carry no
+        position and are reused as they are; learned-position models cannot
+        move states (encode at the target positions instead).
+        """
+        delta = start - int(kv.position_ids[0])
+        return kv if delta == 0 else self.adapter.move(kv, delta)
+
     @torch.no_grad()
     def encode(self, token_ids: list[int], position_ids: list[int], context: ModuleKV | None = None,
                embeds: torch.Tensor | None = None) -> ModuleKV:

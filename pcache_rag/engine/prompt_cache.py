@@ -10,6 +10,10 @@ The facade over the engine's parts. The flow of one prompt:
 
 When a unit is encoded its tokens attend to the unit only (``encoding="isolated"``, the
 paper) or also to the schema's preamble (``encoding="preamble"``) (:mod:`.encoder`).
+
+The model side (adapter, workspace, prefill, decode, the lock) is the :class:`~.core.EngineCore`,
+and where a stream runs (alone or in the continuous batch) is the :class:`~.dispatch.Dispatcher`'s;
+this class owns the schemas, the store, the known documents and the public API over them.
 """
 
 from __future__ import annotations
@@ -17,34 +21,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from ..discovery import KNOWN_JOURNAL, KnownTexts
-from ..kv import ModuleKV, Workspace
-from ..models import adapter_for
+from ..kv import ModuleKV
 from ..models.attention import Calibration
-from ..models.fast_decode import use_decode_weights
 from ..pml import SchemaLayout, chat_format_for
 from ..pml.layout import PromptPlan, bos_ids
-from ..recompute import Lexicon, Recompute
+from ..recompute import Recompute
 from ..store import KVStore, default_store, model_fingerprint
 from ..tokens import safe_tokenizer
-from .decode import Decoder, Generation, SamplingParams, eos_ids
+from .core import EngineCore, Parts
+from .decode import Generation, SamplingParams
+from .dispatch import Dispatcher
 from .encoder import Encoder
-from .listeners import Listeners
-from .lock import EngineLock
-from .prefill import Prefiller
-from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, batch_refusal, parts_request,
-                        run_batch, stream_request)
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler
 from .schemas import SchemaRegistry, SchemaState
 from .types import (
     DEFAULT_ENCODING,
     ENCODINGS,
-    ContextOverflowError,
     Encoding,
     GenerationOutput,
     PrefillResult,
@@ -55,7 +53,8 @@ from .types import store_dtype as parse_store_dtype
 
 log = logging.getLogger(__name__)
 
-Parts = Sequence[tuple[str, ModuleKV]]
+#: what :meth:`PromptCache.generate` answers: a PML prompt over an added schema, or cached parts
+Prompt = str | Parts
 
 
 class PromptCache:
@@ -68,19 +67,10 @@ class PromptCache:
     :meth:`start_batching`, their streams decode together in one continuous batch.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer,
-        encoding: Encoding = DEFAULT_ENCODING,
-        max_tokens: int | None = None,
-        store: KVStore | None = None,
-        cache_dir: str | None = None,
-        store_dtype: torch.dtype | str | None = torch.float16,
-        recompute: str | Recompute = "none",
-        kv_url: str | None = None,
-        decode_weights: str | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, encoding: Encoding = DEFAULT_ENCODING,
+                 max_tokens: int | None = None, store: KVStore | None = None, cache_dir: str | None = None,
+                 store_dtype: torch.dtype | str | None = torch.float16, recompute: str | Recompute = "none",
+                 kv_url: str | None = None, decode_weights: str | None = None) -> None:
         """Wrap a loaded causal LM.
 
         ``store``: where module states live (default: a host-memory tier, plus a
@@ -102,50 +92,40 @@ class PromptCache:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
         if store is not None and kv_url is not None:
             raise ValueError("give either store or kv_url: kv_url adds a remote tier to the default store")
-        self.model = model.eval()
+        self.core = core = EngineCore(model, tokenizer, max_tokens, decode_weights)
+        # the core's parts, under the names the engine has always had
+        self.model, self.adapter, self.workspace, self.max_positions = core.model, core.adapter, core.workspace, \
+            core.max_positions
+        self.prefiller, self.decoder, self.listeners, self._lock = core.prefiller, core.decoder, core.listeners, core.lock
+        #: what ``decode_weights`` did (None: not asked for)
+        self.decode_report = core.decode_report
+        #: where streams run: alone, or in the continuous batch after :meth:`start_batching`
+        self.dispatch = Dispatcher(core)
         self.tokenizer = tokenizer
         self.encoding: Encoding = encoding
         self.recompute = Recompute.parse(recompute)
-        self.adapter = adapter_for(model)
         self.chat = chat_format_for(tokenizer)
         #: tokenizes untrusted text without control tokens (see :mod:`pcache_rag.tokens`)
         self.safe = safe_tokenizer(tokenizer)
-        self.max_positions = self.adapter.max_positions
-        s = self.adapter.kv_shape
-        cap = max_tokens or min(self.max_positions, 1024)
-        self.workspace = Workspace(
-            s.n_layers, s.n_kv_heads, s.head_dim, s.head_dim_v, self.adapter.dtype, self.adapter.device, cap
-        )
-        self._lock = EngineLock()
         self.store = store if store is not None else default_store(self.adapter.device, cache_dir, kv_url=kv_url)
         self.store_dtype = parse_store_dtype(store_dtype) or self.adapter.dtype
         self.fingerprint = model_fingerprint(
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
-        #: what ``decode_weights`` did (None: not asked for)
-        self.decode_report = None if decode_weights is None else use_decode_weights(model, decode_weights, tokenizer)
-        if getattr(self.adapter, "rerotatable", False):
-            # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
-            # if moved keys do not match keys encoded in place, never move states.
-            try:
-                self.adapter.self_check()  # type: ignore[attr-defined]  # RoPE adapters (rerotatable) have it
-            except RuntimeError as e:
-                log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
-                self.adapter.rerotatable = False
         self.encoder = Encoder(self.adapter, self.store, self.store_dtype)
         movable = bool(getattr(self.adapter, "rerotatable", False)) or self.adapter.family == "alibi"
         self.schemas = SchemaRegistry(tokenizer, self.chat, self.max_positions, self.fingerprint, encoding,
                                       self.encoder, self.store, movable, self.model_type)
-        self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
-        self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer))
         self.last_report: SchemaReport | None = None
         #: the document texts whose states this engine keeps or can encode: the Assembler finds
         #: them in prompts without marks (:mod:`pcache_rag.discovery`); with a ``cache_dir``, the
         #: kept ones are journalled beside their states, for every process on them
         self.known_texts = KnownTexts(Path(cache_dir).expanduser() / KNOWN_JOURNAL if cache_dir else None)
-        self.listeners = Listeners()
-        #: the continuous batch every stream joins, once :meth:`start_batching` is called
-        self.scheduler: Scheduler | None = None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The continuous batch, once :meth:`start_batching` is called."""
+        return self.dispatch.scheduler
 
     @property
     def model_type(self) -> str:
@@ -231,169 +211,92 @@ class PromptCache:
         Returns the tokens' own states (not the context's)."""
         return self.encoder.encode(token_ids, position_ids, context)
 
-    def stored_states(self, key: str, token_ids: list[int], position_ids: list[int]) -> ModuleKV:
-        """The stored states under ``key``, encoding (and storing) them first if absent."""
-        return self.encoder.stored_states(key, token_ids, position_ids)
-
     @property
     def encoded(self) -> dict[str, int]:
         """Units (modules, chunks, preambles) and tokens this engine has encoded so far."""
         return self.encoder.counts
 
     def place(self, kv: ModuleKV, start: int) -> ModuleKV:
-        """The states of ``kv`` moved so its first token sits at position ``start``.
+        """The states of ``kv`` moved so its first token sits at ``start`` (:meth:`Encoder.place`)."""
+        return self.encoder.place(kv, start)
 
-        RoPE keys are re-rotated (exact up to rounding); ALiBi states carry no
-        position and are reused as they are; learned-position models cannot
-        move states (encode at the target positions instead).
+    # ------------------------------------------------------------------ prompts: a PML string, or Parts
+
+    def prefill(self, prompt: Prompt, reserve: int = 0, recompute: str | Recompute | None = None) -> PrefillResult:
+        """Assemble the prompt's cached states and compute only its new tokens (plus the context tokens
+        the ``recompute`` policy selects; default: the engine's); ``reserve`` leaves room for generated
+        ones. ``prompt``: a PML prompt over an added schema, or :class:`Parts` (cached states and token ids)."""
+        policy = self.policy(recompute)
+        with self._lock:
+            return self._prepare(prompt, policy)(reserve)
+
+    def generate(self, prompt: Prompt, recompute: str | Recompute | None = None, params: SamplingParams | None = None,
+                 **gen) -> GenerationOutput:
+        """Answer a prompt (see :meth:`prefill`): prefill from the cache, then decode.
+
+        ``gen`` are :class:`SamplingParams` (or give ``params``): greedy by default, ``max_new_tokens``
+        64; ``do_sample=True`` samples with ``temperature`` and ``top_p`` (``seed`` makes it repeatable).
+        Stops at EOS, at any string in ``stop`` (excluded from the text) or after ``max_new_tokens``.
+        ``recompute`` overrides the engine's policy for this call; ``grammar``
+        (:func:`pcache_rag.grammar.json_grammar` and its siblings) constrains the answer.
         """
-        delta = start - int(kv.position_ids[0])
-        return kv if delta == 0 else self.adapter.move(kv, delta)
+        return self.stream(prompt, recompute, params, **gen).result()
 
-    # ------------------------------------------------------------------ prefill
+    def stream(self, prompt: Prompt, recompute: str | Recompute | None = None, params: SamplingParams | None = None,
+               **gen) -> Generation:
+        """Text deltas as they are decoded (same arguments as :meth:`generate`); the returned
+        :class:`Generation` holds the output once exhausted."""
+        policy, sp = self.policy(recompute), SamplingParams.of(params, **gen)
+        if isinstance(prompt, Parts):
+            return self.dispatch.parts_generation(self._resolve(prompt), policy, sp)
+        prepare = self._prepare(prompt, policy)
+        return self.dispatch.generation(prepare, sp, lambda: Request(sp, self.schemas.rows(prompt) + sp.max_new_tokens,
+                                                                     prepare=prepare))
 
-    def prefill(self, prompt_pml: str, reserve: int = 0, recompute: str | Recompute | None = None) -> PrefillResult:
-        """Assemble the imported states and compute only the new tokens (plus the context tokens the
-        ``recompute`` policy selects; default: the engine's); ``reserve`` leaves room for generated ones."""
-        policy = self.policy(recompute)
-        with self._lock:
-            return self._prefill_prompt(prompt_pml, reserve, policy)
+    def generate_batch(self, prompts: Sequence[Parts], recompute: str | Recompute | Sequence | None = None,
+                       max_new_tokens: int = 64, stop: Sequence[str] | None = None) -> list[GenerationOutput]:
+        """Greedy :meth:`generate` answers to ``prompts``, prefilled and decoded together in one batch
+        (:mod:`.scheduler`); ``recompute``: one policy, or one per prompt. Batched products round
+        differently, so a rare near-tie may resolve otherwise; a model that cannot batch
+        (:attr:`batch_refusal`) answers each alone."""
+        policies = recompute if isinstance(recompute, (list, tuple)) else [recompute] * len(prompts)
+        params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
+        return self.dispatch.generate_batch([(self._resolve(p), self.policy(rc)) for p, rc in zip(prompts, policies)],
+                                            params)
 
-    def prefill_parts(self, parts: Parts, new_ids: list[int], preamble: str | None = None, reserve: int = 0,
-                      recompute: str | Recompute | None = None,
-                      calibration: str | Calibration | None = None) -> PrefillResult:
-        """Prefill cached ``parts`` (label, states already at their positions) plus ``new_ids``,
-        which are placed right after the last part's position. ``calibration`` (``"ape:T:S"``)
-        calibrates attention to every part after the first."""
-        policy = self.policy(recompute)
-        with self._lock:
-            return self._prefill_parts(parts, new_ids, preamble, reserve, policy, Calibration.parse(calibration))
+    def text_ids(self, text: str) -> list[int]:
+        """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings in it
+        stay characters (:mod:`pcache_rag.tokens`). ``Parts([], pc.text_ids(text))`` is a plain-text
+        prompt with nothing cached (an ordinary LLM call; never read as chat markup)."""
+        return bos_ids(self.tokenizer) + self.safe.text(text)
 
     def policy(self, recompute: str | Recompute | None) -> Recompute:
         """The recompute policy a call uses: its own, or the engine's default."""
         return self.recompute if recompute is None else Recompute.parse(recompute)
 
-    def _prefill_prompt(self, prompt_pml: str, reserve: int, policy: Recompute) -> PrefillResult:
-        plan, state = self.schemas.plan(prompt_pml)
-        kvs = self.schemas.states(plan, state)
-        pre = plan.layout.preamble if self.encoding == "preamble" else None
-        return self.prefiller.run([u.name for u in plan.units], kvs, plan.args, plan.uncached_ids,
-                                  plan.uncached_positions, pre, reserve, policy)
+    def _resolve(self, prompt: Parts) -> Parts:
+        """``prompt`` with its preamble kept only under ``encoding="preamble"``, its calibration parsed."""
+        return dataclasses.replace(prompt, preamble=prompt.preamble if self.encoding == "preamble" else None,
+                                   calibration=Calibration.parse(prompt.calibration))
 
-    def _prefill_parts(self, parts: Parts, new_ids: list[int], preamble: str | None, reserve: int,
-                       policy: Recompute, calibration: Calibration | None = None) -> PrefillResult:
-        if not new_ids:
-            raise ValueError("there must be at least one new token to compute")
-        start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
-        pos = list(range(start, start + len(new_ids)))
-        if pos[-1] >= self.max_positions:
-            raise ContextOverflowError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
-        pre = preamble if self.encoding == "preamble" else None
-        return self.prefiller.run([p[0] for p in parts], [p[1] for p in parts], [], list(new_ids), pos, pre,
-                                  reserve, policy, calibration)
+    def _prepare(self, prompt: Prompt, policy: Recompute) -> Callable[[int], PrefillResult]:
+        """``prompt``'s prefill, leaving room for that many generated tokens (run under the lock)."""
+        if isinstance(prompt, Parts):
+            return self.dispatch.prepare_parts(self._resolve(prompt), policy)
 
-    # ------------------------------------------------------------------ generation
-
-    def generate(self, prompt_pml: str, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
-                 recompute: str | Recompute | None = None, grammar: str | None = None) -> GenerationOutput:
-        """Answer a prompt: prefill from the cache, then decode.
-
-        Greedy by default; ``do_sample=True`` samples with ``temperature`` and
-        ``top_p`` (``seed`` makes it repeatable). Stops at EOS, at any string in
-        ``stop`` (excluded from the text) or after ``max_new_tokens``.
-        ``recompute`` overrides the engine's policy for this call. ``grammar``
-        (:func:`pcache_rag.grammar.json_grammar` and its siblings) constrains the answer.
-        """
-        params = SamplingParams.of(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                   top_p=top_p, seed=seed, stop=tuple(stop or ()), grammar=grammar)
-        return self.stream(prompt_pml, recompute, params=params).result()
-
-    def stream(self, prompt_pml: str, recompute: str | Recompute | None = None,
-               params: SamplingParams | None = None, **gen) -> Generation:
-        """Text deltas as they are decoded (same arguments as :meth:`generate`, or ``params``);
-        the returned :class:`Generation` holds the output once exhausted."""
-        policy, sp = self.policy(recompute), SamplingParams.of(params, **gen)
-        prepare = lambda r: self._prefill_prompt(prompt_pml, r, policy)  # noqa: E731
-        return self._generation(prepare, sp, lambda: Request(sp, self.schemas.rows(prompt_pml) + sp.max_new_tokens,
-                                                             prepare=prepare))
-
-    def generate_parts(self, parts: Parts, new_ids: list[int], preamble: str | None = None,
-                       recompute: str | Recompute | None = None, calibration: str | Calibration | None = None,
-                       params: SamplingParams | None = None, **gen) -> GenerationOutput:
-        """:meth:`generate` for cached parts plus new token ids (see :meth:`prefill_parts`)."""
-        return self.stream_parts(parts, new_ids, preamble, recompute, calibration, params, **gen).result()
-
-    def stream_parts(self, parts: Parts, new_ids: list[int], preamble: str | None = None,
-                     recompute: str | Recompute | None = None, calibration: str | Calibration | None = None,
-                     params: SamplingParams | None = None, **gen) -> Generation:
-        """:meth:`stream` for cached parts plus new token ids."""
-        sp = SamplingParams.of(params, **gen)
-        policy, cal = self.policy(recompute), Calibration.parse(calibration)
-        return self._generation(self._parts_prepare(parts, new_ids, preamble, policy, cal), sp,
-                                lambda: self._request(parts, new_ids, preamble, policy, cal, sp))
-
-    def _parts_prepare(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
-                       cal: Calibration | None) -> Callable[[int], PrefillResult]:
-        return lambda reserve: self._prefill_parts(parts, new_ids, preamble, reserve, policy, cal)
-    def _request(self, parts: Parts, new_ids: list[int], preamble: str | None, policy: Recompute,
-                 cal: Calibration | None, params: SamplingParams) -> Request:
-        prepare = self._parts_prepare(parts, new_ids, preamble, policy, cal)
-        return parts_request(self, parts, new_ids, params, prepare, policy.kind == "none", cal)
-
-    def text_ids(self, text: str) -> list[int]:
-        """BOS (if the tokenizer adds one) plus ``text`` tokenized as text: control-token strings
-        in it stay characters (:mod:`pcache_rag.tokens`)."""
-        return bos_ids(self.tokenizer) + self.safe.text(text)
-
-    def generate_text(self, text: str, **gen) -> GenerationOutput:
-        """Generate from plain text with nothing cached (an ordinary LLM call). The text is never
-        read as chat markup; use a PML prompt with role tags for a chat turn."""
-        return self.generate_parts([], self.text_ids(text), **gen)
-
-    def stream_text(self, text: str, **gen) -> Generation:  # :meth:`generate_text`, streamed
-        return self.stream_parts([], self.text_ids(text), **gen)
-
-    def _generation(self, prepare: Callable[[int], PrefillResult], params: SamplingParams,
-                    make: Callable[[], Request]) -> Generation:
-        """A stream: ``prepare`` then decoding alone over the workspace, or, with batching on, the
-        request ``make`` builds, in the scheduler's batch."""
-        sched = self.scheduler
-        if sched is None or self.batch_refusal:
-            return Generation(self._run(prepare, params, self.batch_refusal if sched else ""),
-                              on_done=self.listeners.notify)
-        return Generation(stream_request(sched, make), on_done=self.listeners.notify)
-
-    def _run(self, prepare: Callable[[int], PrefillResult], params: SamplingParams, unbatched: str = ""):
-        """Prefill with ``prepare(reserve)`` and decode; yields text deltas, then the output.
-        The lock is taken at the first item; TTFT counts from there, so planning and fetching
-        states are included."""
-        t0 = time.perf_counter()
-        with self._lock, torch.no_grad():
-            res = prepare(params.max_new_tokens)
-            yield from self.decoder.stream(res, t0, params, self.workspace.cache(), unbatched)
-
-    def generate_parts_batch(self, requests, max_new_tokens: int = 64,
-                             stop: Sequence[str] | None = None) -> list[GenerationOutput]:
-        """Greedy :meth:`generate_parts` answers to ``(parts, new_ids, preamble, recompute[, calibration])``
-        requests, prefilled and decoded together in one batch (:mod:`.scheduler`); batched products
-        round differently, so a rare near-tie may resolve otherwise; others decode alone (batch_refusal)."""
-        params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
-        reqs = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
-        if why := self.batch_refusal:  # one at a time, and each output says why
-            outs = [self.generate_parts(p, ids, pre, rc, cal, params) for p, ids, pre, rc, cal in reqs]
-            return [dataclasses.replace(o, unbatched=why) for o in outs]
-        batch = [self._request(p, ids, pre, self.policy(rc), Calibration.parse(cal), params)
-                 for p, ids, pre, rc, cal in reqs]
-        return self.listeners.notify_all(run_batch(Scheduler(self, self._lock, max(1, len(batch)), 4096,
-                                                             sum(r.rows for r in batch) or 1), batch))
+        def prefill_pml(reserve: int) -> PrefillResult:
+            plan, state = self.schemas.plan(prompt)
+            pre = plan.layout.preamble if self.encoding == "preamble" else None
+            return self.prefiller.run([u.name for u in plan.units], self.schemas.states(plan, state), plan.args,
+                                      plan.uncached_ids, plan.uncached_positions, pre, reserve, policy)
+        return prefill_pml
 
     # ------------------------------------------------------------------ batching
 
     @property
     def batch_refusal(self) -> str:
         """Why this model cannot decode in a batch ('' when it can)."""
-        return batch_refusal(self.adapter)
+        return self.core.batch_refusal
 
     def start_batching(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
                        kv_budget: int | None = None) -> Scheduler:
@@ -402,13 +305,7 @@ class PromptCache:
         prompts are prefilled between decode steps ``prefill_tokens`` at a time, and
         ``kv_budget`` bounds their live KV rows. A model that cannot batch (:attr:`batch_refusal`)
         keeps decoding one stream at a time, and its outputs say why (``unbatched``)."""
-        if self.scheduler is not None:
-            raise RuntimeError("batching is already on: stop_batching() first")
-        if self.batch_refusal:
-            log.warning("batching is off: %s", self.batch_refusal)
-        self.scheduler = Scheduler(self, self._lock, max_batch, prefill_tokens, kv_budget)
-        self.scheduler.start()
-        return self.scheduler
+        return self.dispatch.start_batching(max_batch, prefill_tokens, kv_budget)
 
     def batch_stats(self) -> dict | None:
         """The batch's statistics (None with batching off)."""
@@ -416,9 +313,7 @@ class PromptCache:
 
     def stop_batching(self) -> None:
         """Back to one stream at a time; requests still in the batch get an error."""
-        sched, self.scheduler = self.scheduler, None
-        if sched is not None:
-            sched.stop()
+        self.dispatch.stop_batching()
 
     # ------------------------------------------------------------------ observing
 
@@ -446,7 +341,7 @@ class PromptCache:
     def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                      last: int = 1) -> torch.Tensor:
         """The baseline: one causal forward over all tokens, nothing reused (:meth:`Prefiller.full`)."""
-        return self.prefiller.full(input_ids, position_ids, last)
+        return self.core.full_prefill(input_ids, position_ids, last)
 
     def stats(self) -> dict:
         """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, what

@@ -16,7 +16,7 @@ budget on live KV rows: a request that would exceed it waits until others finish
 stopped mid-answer.
 
 Requests reach it through :meth:`PromptCache.start_batching` (every stream of the engine
-then goes through one scheduler thread) or through :meth:`PromptCache.generate_parts_batch`
+then goes through one scheduler thread) or through :meth:`PromptCache.generate_batch`
 (a private scheduler driven in the caller's thread).
 """
 
@@ -39,7 +39,7 @@ from ..models import UnsupportedModelError
 from ..models.attention import CalibratedSpan, Positions, RaggedStep, ragged
 from ..models.fast_decode import decoding as generated_rows
 from .decode import Decoding, SamplingParams
-from .lock import EngineLock
+from .core import EngineCore
 from .threads import release_pool
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
 
@@ -125,7 +125,7 @@ class Request:
 
 
 class Scheduler:
-    """Runs requests of one :class:`~pcache_rag.engine.PromptCache` as one continuous batch.
+    """Runs requests on one engine's :class:`~.core.EngineCore` as one continuous batch.
 
     ``max_batch``: the most requests decoding together. ``prefill_tokens``: new tokens
     prefilled per step (a prompt with more is chunked). ``kv_budget``: live KV rows (default:
@@ -134,18 +134,18 @@ class Scheduler:
     caller's. Each step holds the engine's lock, and lets other callers of the engine in
     between steps."""
 
-    def __init__(self, pc, lock: EngineLock, max_batch: int = DEFAULT_MAX_BATCH,
+    def __init__(self, core: EngineCore, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_tokens: int = DEFAULT_PREFILL_TOKENS, kv_budget: int | None = None) -> None:
         if max_batch < 1 or prefill_tokens < 1:
             raise ValueError("max_batch and prefill_tokens must be at least 1")
-        self.pc = pc
-        self._lock = lock  # the engine's: one step at a time over its workspace
+        self.core = core
+        self._lock = core.lock  # the engine's: one step at a time over its workspace
         self.max_batch = int(max_batch)
         self.prefill_tokens = int(prefill_tokens)
-        s = pc.adapter.kv_shape
-        per_row = s.bytes_per_token(torch.empty(0, dtype=pc.adapter.dtype).element_size())
+        s = core.adapter.kv_shape
+        per_row = s.bytes_per_token(torch.empty(0, dtype=core.adapter.dtype).element_size())
         self.kv_budget = int(kv_budget) if kv_budget is not None else max(
-            DEFAULT_KV_BUDGET_BYTES // per_row, pc.max_positions + 1024)
+            DEFAULT_KV_BUDGET_BYTES // per_row, core.max_positions + 1024)
         self._pending: deque[Request] = deque()
         self._live: list[Request] = []
         self._filling: list[Request] = []  # requests whose new tokens are being prefilled
@@ -285,7 +285,7 @@ class Scheduler:
             try:
                 if req.prepare is None:
                     req.kv = RequestKV.assemble(req.units, len(req.new_ids) + req.params.max_new_tokens,
-                                                self.pc.workspace.shape, self.pc.adapter.dtype, self.pc.adapter.device)
+                                                self.core.workspace.shape, self.core.adapter.dtype, self.core.adapter.device)
                     req.units = []  # the rows hold them now
                     req.next_pos = req.start
                     req.counts = (req.kv.length, len(req.new_ids), 0)
@@ -302,7 +302,7 @@ class Scheduler:
                 # the embedded model) is the decode's cost, not the time to the first token.
                 self._begin(req, res.logits)
                 if not req.seq.done:  # type: ignore[union-attr]
-                    req.kv = RequestKV.from_workspace(self.pc.workspace, req.params.max_new_tokens,
+                    req.kv = RequestKV.from_workspace(self.core.workspace, req.params.max_new_tokens,
                                                       res.position_ids)
             except Exception as e:  # noqa: BLE001 - the request's own error (a bad prompt, no room)
                 if req in self._live:
@@ -323,11 +323,11 @@ class Scheduler:
             budget -= len(chunk)
         if not seqs:
             return
-        dev = self.pc.adapter.device
+        dev = self.core.adapter.device
         kvs = [r.kv for r, _ in seqs]
         step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
                           [len(ids) for _, ids in seqs], [r.span for r, _ in seqs])
-        if self.pc.adapter.window is not None:  # each sequence's window, over its own rows' positions
+        if self.core.adapter.window is not None:  # each sequence's window, over its own rows' positions
             step.positions = []
             for r, chunk in seqs:
                 kv = r.kv
@@ -344,9 +344,9 @@ class Scheduler:
                            dtype=torch.long, device=dev)
         ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
         with ragged(step), generated_rows(len(self._live)):  # the generated tokens lead: the decode weights, if any
-            logits = self.pc.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
+            logits = self.core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
         if step.calls == 0:
-            raise UnsupportedModelError(f"{type(self.pc.model).__name__} does not run its attention through "
+            raise UnsupportedModelError(f"{type(self.core.model).__name__} does not run its attention through "
                                         "pcache_sdpa: it cannot decode in a batch")
         B = len(seqs)
         decoding = len(self._live)
@@ -370,7 +370,7 @@ class Scheduler:
     def _begin(self, req: Request, logits: torch.Tensor) -> None:
         """The first token, from the prefill's logits; then it decodes with the others."""
         assert req.t0 is not None
-        req.seq = self.pc.decoder.start(req.params, logits.shape[-1], req.t0)
+        req.seq = self.core.decoder.start(req.params, logits.shape[-1], req.t0)
         self._emit(req, logits)
         if not req.seq.done:
             self._live.append(req)
@@ -386,15 +386,6 @@ class Scheduler:
             req.kv = None
             self.counts["finished"] += 1
             req.out.put(req.seq.output(*req.counts, decode_batch=req.batch))
-
-
-def batch_refusal(adapter) -> str:
-    """Why a model cannot decode in a batch ('' when it can)."""
-    if adapter.family == "alibi":
-        return "ALiBi models decode alone: their bias needs each request's key positions"
-    if not getattr(adapter, "fast", False):
-        return f"{type(adapter.model).__name__} does not run its attention through pcache_sdpa"
-    return ""
 
 
 def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[str | GenerationOutput]:
@@ -414,9 +405,9 @@ def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[st
         req.cancel()
 
 
-def parts_request(pc, parts, new_ids: list[int], params: SamplingParams, prepare: Callable[[int], PrefillResult],
-                  direct: bool, calibration=None) -> Request:
-    """The batch request for cached ``parts`` (label, states) and ``new_ids`` of engine ``pc``:
+def parts_request(core: EngineCore, parts, new_ids: list[int], params: SamplingParams,
+                  prepare: Callable[[int], PrefillResult], direct: bool, calibration=None) -> Request:
+    """The batch request for cached ``parts`` (label, states) and ``new_ids`` on ``core``:
     with ``direct``, its new tokens are prefilled in the batch's steps over its own rows (with
     ``calibration`` on the parts after the first); otherwise (recomputed rows) ``prepare`` is
     the engine's prefill."""
@@ -425,10 +416,10 @@ def parts_request(pc, parts, new_ids: list[int], params: SamplingParams, prepare
         return Request(params, rows, prepare=prepare)
     kvs = [kv for _, kv in parts]
     start = max((int(kv.position_ids[-1]) + 1 for kv in kvs), default=0)
-    if start + len(new_ids) > pc.max_positions:
+    if start + len(new_ids) > core.max_positions:
         raise ContextOverflowError(f"the prompt needs {start + len(new_ids)} positions; the model takes "
-                                   f"{pc.max_positions}")
-    span = pc.prefiller.calibrated_span(kvs, calibration, False, None)
+                                   f"{core.max_positions}")
+    span = core.prefiller.calibrated_span(kvs, calibration, False, None)
     return Request(params, rows, kvs, list(new_ids), start, span)
 
 

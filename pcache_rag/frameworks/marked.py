@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import ContextOverflowError, GenerationOutput, PromptCache, SamplingParams
+from ..engine import ContextOverflowError, GenerationOutput, Parts, PromptCache, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
 from ..recompute import resolve_auto
@@ -229,7 +229,7 @@ class Assembler:
 
     def base(self) -> ModuleKV:
         """The encoding preamble's states (encoded and stored on first use)."""
-        return self.pc.stored_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
+        return self.encoder.stored_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
 
     def doc_ids(self, text: str) -> list[int]:
         """A document's token ids: its text without surrounding whitespace, then one blank line
@@ -271,13 +271,13 @@ class Assembler:
         if self.conditioned(ids):
             ctx = self.conditioned_context()
             C = ctx.length
-            kv = self.pc.encode(list(ids), list(range(C, C + len(ids))), context=ctx)
-            kv = self.pc.place(kv, s).to(dtype=self.store_dtype)  # back to its canonical slot
+            kv = self.encoder.encode(list(ids), list(range(C, C + len(ids))), context=ctx)
+            kv = self.encoder.place(kv, s).to(dtype=self.store_dtype)  # back to its canonical slot
         else:
             ctx = None
             if self.encoding == "preamble":
                 ctx = self.encoder.context_states(self.base_key, self.base_ids, list(range(len(self.base_ids))))
-            kv = self.pc.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.store_dtype)
+            kv = self.encoder.encode(list(ids), list(range(s, s + len(ids))), context=ctx).to(dtype=self.store_dtype)
         if store:
             self.store.put(key, kv)
         return kv
@@ -314,7 +314,7 @@ class Assembler:
         positions, which cannot move - encoded at that slot and cached. Returns whether it
         was encoded now."""
         try:
-            return self.pc.place(kv, pos), False
+            return self.encoder.place(kv, pos), False
         except ValueError:
             ids = kv.token_ids.tolist()
             key = self.key(ids, pos)
@@ -463,7 +463,7 @@ class Assembler:
                    else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix"))
             kv = self.store.get(key)
             if kv is None:
-                kv = self.pc.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
+                kv = self.encoder.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
                 self.store.put(key, kv)
                 encoded += len(prefix)
             parts.append(("prefix", kv))
@@ -486,7 +486,7 @@ class Assembler:
 
     def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         prep = time.perf_counter() - t0
-        stream = self.pc.stream_parts(plan.parts, plan.new_ids, "prefix", resolve_auto(recompute), params=gen)
+        stream = self.pc.stream(Parts(plan.parts, plan.new_ids, preamble="prefix"), recompute=resolve_auto(recompute), params=gen)
         try:
             yield from stream
         finally:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..default_model import DEFAULT_NAME, model_name
+from ..engine import Parts
 from .metrics import median
 
 QUESTION_TOKENS = 32
@@ -215,7 +216,7 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
             def run(pc=pc):
                 pc.workspace.invalidate()
                 kvs = [(k, pc.store.get(k)) for k in keys]
-                pc.prefill_parts(kvs, q)
+                pc.prefill(Parts(kvs, q))
                 _sync(device)
 
             def evict(tier_host=tier_host):
@@ -231,10 +232,10 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
                 times[name] = median(run, sz.repeats)
             if name == "memory":  # floor: the same prompt again, nothing to copy
                 kvs = [(k, pc.store.get(k)) for k in keys]
-                pc.prefill_parts(kvs, q)
+                pc.prefill(Parts(kvs, q))
                 fl = []
                 for _ in range(sz.repeats):
-                    fl.append(pc.prefill_parts(kvs, q).forward_s)
+                    fl.append(pc.prefill(Parts(kvs, q)).forward_s)
                 floor = statistics.median(fl)
             for k in keys:
                 pc.store.remove(k)
@@ -289,7 +290,7 @@ def fig_fraction(model, tok, sz: Sizes, device, log) -> Figure:
 
         def run():
             pc.workspace.invalidate()
-            pc.prefill_parts(parts, new)
+            pc.prefill(Parts(parts, new))
             _sync(device)
 
         t = median(run, sz.repeats)
@@ -334,7 +335,7 @@ def fig_recompute(model, tok, sz: Sizes, device, log) -> Figure:
             def run():
                 nonlocal n_rows
                 pc.workspace.invalidate()
-                n_rows = pc.prefill_parts(parts, q, recompute=mode).recomputed_tokens
+                n_rows = pc.prefill(Parts(parts, q), recompute=mode).recomputed_tokens
                 _sync(device)
 
             times.append(median(run, sz.repeats))
@@ -366,7 +367,7 @@ def fig_concurrency(model, tok, sz: Sizes, device, log) -> Figure:
     for i in range(n):  # k=2 documents per request, placed after the preamble, and a question of its own
         a, b = pool[i % 8], pool[(i * 3 + 1) % 8]
         parts = [("pre", pre_kv), ("d0", pc.place(a, 64)), ("d1", pc.place(b, 64 + sz.load_doc_tokens))]
-        reqs.append((parts, _context_ids(tok, 20, seed=1000 + i)))
+        reqs.append(Parts(parts, _context_ids(tok, 20, seed=1000 + i)))
     fig = Figure("concurrency", f"Throughput and TTFT against concurrent requests (k=2 documents of "
                  f"{sz.load_doc_tokens} tokens, {sz.load_new_tokens} new tokens each)",
                  ["concurrent", "queue answers/s", "batched answers/s", "throughput gain", "queue TTFT p50 s",
@@ -378,7 +379,7 @@ def fig_concurrency(model, tok, sz: Sizes, device, log) -> Figure:
 
         def one(i: int) -> None:
             go.wait()
-            outs[i] = pc.generate_parts(*reqs[i], max_new_tokens=sz.load_new_tokens)
+            outs[i] = pc.generate(reqs[i], max_new_tokens=sz.load_new_tokens)
 
         ths = [threading.Thread(target=one, args=(i,)) for i in range(c)]
         for t in ths:
@@ -393,7 +394,7 @@ def fig_concurrency(model, tok, sz: Sizes, device, log) -> Figure:
     def pct(xs: list[float], p: float) -> float:
         return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
 
-    pc.generate_parts(*reqs[0], max_new_tokens=2)  # warm
+    pc.generate(reqs[0], max_new_tokens=2)  # warm
     for c in sz.concurrency:
         q_rate, q_ttft, q_text = load(c)
         pc.start_batching(max_batch=DEFAULT_MAX_BATCH)
@@ -450,7 +451,7 @@ def fig_size(tok, sz: Sizes, device, log) -> Figure:
 
             def run():
                 pc.workspace.invalidate()
-                pc.prefill_parts(parts, q)
+                pc.prefill(Parts(parts, q))
                 _sync(device)
 
             cached = median(run, sz.repeats)
@@ -581,7 +582,7 @@ def fig_scaffold(model, tok, sz: Sizes, log) -> Figure:
             ttft[mode].append(out.ttft_s)
             if mode == "separate modules":
                 ids = pc.prefill(prompt).input_ids.tolist()
-                full = pc.generate_parts([], ids, max_new_tokens=24, stop=["\n"])
+                full = pc.generate(Parts([], ids), max_new_tokens=24, stop=["\n"])
                 got["full prefill"].append(contains(full.text, q.answer))
                 ttft["full prefill"].append(full.ttft_s)
     from .quality import wilson

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine import Parts
+
 SETS = ("plain", "competing", "cross", "rag")
 #: disjoint question draws: settings are chosen on ``tuning`` and reported on ``reporting``.
 #: Each split has its own generator seed, fact subjects and filler passages.
@@ -449,14 +451,14 @@ class _Synthetic:
         return {enc: round(n / s, 1) for enc, (n, s) in sorted(self.encode_cost.items()) if s > 0}
 
     def request(self, mode: str, q: Question) -> tuple:
-        """``(parts, new_ids, preamble, recompute)`` of ``q`` in ``mode``, for
-        :meth:`~pcache_rag.engine.PromptCache.generate_parts_batch`."""
+        """``(prompt, recompute)`` of ``q`` in ``mode`` (a :class:`~pcache_rag.engine.Parts`, and its
+        policy), for :meth:`~pcache_rag.engine.PromptCache.generate_batch`."""
         pc = self.pcs["preamble"]
         if mode in FULL_MODES:
             pre = self.own_ids if mode == "full-own-system" else self.pre_ids
             docs = q.docs[::-1] if mode == REORDERED else q.docs
             ids = list(pre) + [i for d in docs for i in self.doc_ids(d)] + self.q_ids(q.question)
-            return [], ids, None, None
+            return Parts([], ids), None
         enc = encoding_of(mode)
         own = mode == "own-system"  # another system prompt before documents encoded against SYSTEM
         parts = [("preamble", self.own_kv if own else self.pre_kv)]
@@ -470,7 +472,7 @@ class _Synthetic:
             from ..recompute import Recompute
 
             recompute = Recompute.explicit(self.oracle_rows(mode, q, [kv.length for _, kv in parts]))
-        return parts, self.q_ids(q.question), "preamble", recompute, cal
+        return Parts(parts, self.q_ids(q.question), "preamble", cal), recompute
 
     def oracle_rows(self, mode: str, q: Question, lengths: list[int]) -> list[int]:
         """The cache rows an oracle mode recomputes (``lengths``: the preamble's, then each document's)."""
@@ -556,19 +558,20 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         gen = {"max_new_tokens": max_new_tokens}
         q_ids = rag.fit_question(q.question, hs, gen)
         if mode == "full":
-            reqs.append(([], rag.full_prompt_ids(q.question, hs), None, None))
+            reqs.append((Parts([], rag.full_prompt_ids(q.question, hs)), None))
             fetch.append(0.0)
             continue
         if mode == REORDERED:  # the retrieved chunks in the opposite order
             ids = list(rag.preamble_ids) + [t for h in sorted(hs, key=lambda h: -h.score)
                                              for t in rag.chunk_ids(h.text, h.source)]
-            reqs.append(([], ids + rag.question_ids(q.question), None, None))
+            reqs.append((Parts([], ids + rag.question_ids(q.question)), None))
             fetch.append(0.0)
             continue
         t0 = time.perf_counter()
         parts = rag.parts(hs)
         fetch.append(time.perf_counter() - t0)
-        reqs.append((parts, q_ids, "preamble") + _cached_request_policy(mode))
+        recompute, cal = _cached_request_policy(mode)
+        reqs.append((Parts(parts, q_ids, "preamble", cal), recompute))
     outs = _decode_apart(rags["preamble"].pc, modes, reqs, max_new_tokens)
     return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
 
@@ -590,12 +593,13 @@ def _decode_apart(pc, modes, reqs, max_new_tokens: int) -> list:
     outs: list = [None] * len(modes)
     for idx in (full, reordered, rest):
         if idx:
-            for i, o in zip(idx, pc.generate_parts_batch([reqs[i] for i in idx], max_new_tokens=max_new_tokens,
-                                                         stop=answer_stop(pc))):
+            batch = pc.generate_batch([reqs[i][0] for i in idx], [reqs[i][1] for i in idx],
+                                      max_new_tokens=max_new_tokens, stop=answer_stop(pc))
+            for i, o in zip(idx, batch):
                 outs[i] = o
             if len(idx) > 1:
                 for i in idx:
-                    alone = pc.generate_parts(*reqs[i], max_new_tokens=1)
+                    alone = pc.generate(reqs[i][0], recompute=reqs[i][1], max_new_tokens=1)
                     outs[i] = dataclasses.replace(outs[i], ttft_s=alone.ttft_s)
     return outs
 
@@ -952,7 +956,7 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
              + _run_time(cfg) + "Accuracy is answer-contained with a 95% Wilson interval; "
              "agreement is the share of answers equal to full prefill's; recomputed is the share of context "
              "tokens computed again; TTFT is the median and its speed-up is against full prefill in the same run. "
-             "Each question's prompts are decoded in batches (`PromptCache.generate_parts_batch`): full prefill "
+             "Each question's prompts are decoded in batches (`PromptCache.generate_batch`): full prefill "
              "in a batch of its own, so its answers do not depend on which other modes run, and the cached modes "
              "together. TTFT is each request's alone: where a batch holds several, each is prefilled again by "
              "itself for its first token (in a batch every first token waits for the whole batch's rows and "

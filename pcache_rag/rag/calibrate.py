@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine import Parts
 from ..models.attention import Calibration
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
     for handles, question, _ in it:
         q_ids = rag.fit_question(question, handles, {"max_new_tokens": FORCED + 1})
         full_ids = rag.full_prompt_ids(question, handles)
-        forced = pc.generate_parts([], full_ids, max_new_tokens=FORCED).token_ids  # full prefill's own answer
+        forced = pc.generate(Parts([], full_ids), max_new_tokens=FORCED).token_ids  # full prefill's own answer
         # one forward gives both references: after the question, and after the forced tokens
         refs = pc.full_prefill(torch.tensor(full_ids + forced), last=len(forced) + 1)
         refs = [refs[0], refs[-1]]
@@ -148,7 +149,7 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
         for c in cands:
             cal = None if c == "none" else c
             for new, want in ((q_ids, refs[0]), (q_ids + forced, refs[1])):
-                got = pc.prefill_parts(parts, new, preamble="preamble", calibration=cal).logits
+                got = pc.prefill(Parts(parts, new, preamble="preamble", calibration=cal)).logits
                 kl[c].append(_kl(want, got))
                 top1[c].append(float(int(got.argmax()) == int(want.argmax())))
     if not prompts:

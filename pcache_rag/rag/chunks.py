@@ -8,13 +8,45 @@ in, handed over directly, so none of them reaches through the engine for either.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+from ..conditioning import conditioning_kind, installed_prefix
+from ..engine import PromptCache
 from ..frameworks import Assembler
 from ..kv import ModuleKV
 from ..store import KVStore
+from .index_dir import Index, same_conditioning
 from .prompt import chunk_text
 from .types import ModuleHandle
+
+log = logging.getLogger(__name__)
+
+
+def index_assembler(pc: PromptCache, index: Index, system_prompt: str, conditioning: str) -> Assembler:
+    """The Assembler that encodes an index's chunks under ``conditioning`` (neutral passages, or a
+    learned prefix read from the index's own file: ``pcache-rag calibrate --learn`` leaves it there)."""
+    if conditioning == "default" or conditioning_kind(conditioning) != "learned":
+        asm = Assembler(pc, system_prompt, conditioning=conditioning)
+        if asm.prefix is not None:  # the model's installed prefix: the index keeps its own copy, as for a learned one
+            path = index.prefix_path(asm.prefix.spec)
+            try:
+                if not path.exists():
+                    asm.prefix.save(path)
+            except OSError:  # another process wrote it at the same moment
+                if not path.exists():
+                    raise
+        return asm
+    try:
+        prefix = index.load_prefix(conditioning)
+    except (OSError, ValueError) as e:  # missing or damaged: the installed prefix of the same spec restores it
+        installed = installed_prefix(pc.fingerprint)
+        if installed is None or installed.spec != conditioning:
+            raise
+        log.warning("%s; restored from the prefix installed for this model", e)
+        prefix = installed
+        prefix.save(index.prefix_path(conditioning))
+    return Assembler(pc, system_prompt, prefix=prefix)
 
 
 class ChunkStates:
@@ -28,6 +60,14 @@ class ChunkStates:
         self.store = store
         #: bytes of stored states per token (the store's dtype, the model's KV shape)
         self.bytes_per_token = bytes_per_token
+
+    def follow(self, index: Index, manifest: dict) -> None:
+        """Where another process moved the index to another conditioning (``calibrate --learn``),
+        encode and read under it from now on: chunks are keyed by it."""
+        cond = manifest.get("conditioning")
+        if cond and not same_conditioning(cond, self.asm.conditioning):
+            log.info("the index %s is now encoded with conditioning=%s", index.path, cond)
+            self.asm = index_assembler(self.asm.pc, index, self.asm.system_prompt, cond)
 
     @property
     def preamble_ids(self) -> list[int]:

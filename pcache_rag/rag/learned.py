@@ -317,7 +317,7 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
     that every process serving the index switches at its next question. The index's calibrated
     attention was chosen for the old states and is dropped (run ``calibrate`` again). Returns the
     number of chunks encoded. Holds the ingest lock throughout."""
-    from .pipeline import index_assembler
+    from .chunks import index_assembler
 
     lock = rag.folder.lock()
     try:

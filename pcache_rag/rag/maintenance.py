@@ -1,18 +1,24 @@
-"""Keeping an index honest: verify it against its files and store, repair what is wrong,
-prune sources that are gone, and count which chunks have states. Each function takes the
-parts it reads (the chroma side, the store, an :class:`~.ingest.Ingestor` to re-ingest with);
-the caller refreshes and commits."""
+"""Writing to an index and keeping it honest: :class:`Upkeep` ingests (under the index's lock,
+through an :class:`~.ingest.Ingestor`), verifies the index against its files and store, repairs
+what is wrong, prunes sources that are gone, counts which chunks have states, and commits. The
+functions below it take only the parts they read (the chroma side, the store, an Ingestor)."""
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..store import KVStore
-from .chunking import SkipFile, read_document
+from .chunking import SkipFile, read_document, scan
+from .chunks import ChunkStates
+from .embed import MiniLMEmbedder
 from .extract import release as release_reader
 from .index import ChromaIndex
+from .index_dir import Index
 from .ingest import Ingestor, pending_uploads
+from .live import LiveIndex
 from .states import budget_room, check_store, drop_chunks, human, persisted
 from .types import IngestReport, VerifyReport
 
@@ -76,7 +82,7 @@ def _verify(chroma: ChromaIndex, kv: KVStore, upload_dir: Path, store: bool) -> 
     return rep
 
 
-def repair(ing: Ingestor, upload_dir: Path) -> list[str]:
+def repair_index(ing: Ingestor, upload_dir: Path) -> list[str]:
     """Fix what :func:`verify` finds, except sources that are gone (see :func:`prune`):
     stale and duplicate chunks are dropped (their file is re-ingested with ``ing`` if no current
     version is indexed), missing states are encoded from the indexed text, and the disk
@@ -118,3 +124,105 @@ def current_sha(path: Path) -> str | None:
         return hashlib.sha256(read_document(path).text.encode()).hexdigest()
     except (SkipFile, OSError):
         return None
+
+
+class Upkeep:
+    """Every write to one index: ``folder`` (its directory), ``live`` (chroma as this process sees
+    it), ``chunks`` (their states), ``embedder``, and the ``tokenizer`` that splits documents into
+    chunks of ``chunk_tokens``."""
+
+    def __init__(self, folder: Index, live: LiveIndex, chunks: ChunkStates, embedder: MiniLMEmbedder, tokenizer,
+                 chunk_tokens: int) -> None:
+        self.folder, self.live, self.chunks, self.embedder = folder, live, chunks, embedder
+        self.tokenizer, self.chunk_tokens = tokenizer, chunk_tokens
+
+    def refresh(self, force: bool = False) -> bool:
+        """See every commit of any process since this one last looked (:meth:`LiveIndex.changed`);
+        an index another process moved to another conditioning is read under it from then on."""
+        m = self.live.changed(force)
+        if m:
+            self.chunks.follow(self.folder, m)
+        return m is not None
+
+    def ingestor(self) -> Ingestor:
+        return Ingestor(self.live.chroma, self.chunks, self.embedder, self.tokenizer, self.chunk_tokens, self.commit)
+
+    def commit(self) -> None:
+        """Publish the index's state to every process (:meth:`LiveIndex.commit`)."""
+        self.live.commit(self.chunk_tokens, self.chunks.asm.conditioning)
+
+    def ingest(self, paths: Sequence[str | Path], progress: bool = True, encode: str = "eager", prune: bool = False,
+               repair: bool = True, on_progress: Callable[[str, int, int], None] | None = None) -> IngestReport:
+        """Index files (or directories of them) (:meth:`pcache_rag.rag.CachedRAG.ingest`).
+
+        New and changed files are read, chunked, embedded and (``encode="eager"``) encoded;
+        unchanged files cost nothing; files under ``paths`` that were indexed before and are
+        gone now are removed. One bad file never stops the run: it is listed in
+        ``report.skipped`` with its reason. Before encoding, the states' size is projected and
+        the ingest is refused (:class:`IngestTooLargeError`) if it exceeds the store's budget;
+        ``encode="lazy"`` indexes without states (encoded on first use); a later eager ingest of
+        the same paths encodes what is still missing (``report.lazy_filled``). ``prune`` also removes
+        every indexed source that no longer exists; ``repair`` fixes what :meth:`verify` finds
+        (stale or duplicate chunks, missing states, store rows without files).
+        A lock on the index directory makes concurrent ingests take turns. ``on_progress(stage,
+        done, total)`` is called as the bars move (stage ``"read"`` in bytes, then ``"encode"``
+        in chunks), for a caller with no terminal such as the web app.
+        """
+        if encode not in ("eager", "lazy"):
+            raise ValueError(f"encode must be 'eager' or 'lazy', not {encode!r}")
+        t0 = time.perf_counter()
+        rep = IngestReport()
+        files, skipped = scan(paths, exclude=[self.folder.path])  # validates paths before any work
+        rep.skipped.extend((str(p), r) for p, r in skipped)
+        lock = self.folder.lock()
+        with self.live.lock:
+            self.refresh()  # what other processes committed, before this one adds to it
+            self.live.ingesting += 1
+        try:
+            if self.live.damaged:
+                rep.rebuilt_from = self.live.rebuild()
+            ing = self.ingestor()
+            upload_dir = self.folder.upload_dir
+            ing.run(files, [Path(p).expanduser().absolute() for p in paths], rep, progress, encode, upload_dir,
+                    on_progress)
+            if prune:
+                rep.pruned = self._prune()
+            if repair:
+                rep.repaired = repair_index(ing, upload_dir)
+            ing.finish(rep, encode == "eager" or repair, upload_dir)
+        finally:
+            release_reader()  # the document reader's child process ends: its memory goes back
+            with self.live.lock:
+                self.live.ingesting -= 1
+            lock.release()
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def pending_uploads(self, folder: Path | None = None) -> list[Path]:
+        """Uploaded files that no chunk comes from (see :func:`~.ingest.pending_uploads`)."""
+        return pending_uploads(self.live.chroma, folder if folder is not None else self.folder.upload_dir)
+
+    def state_stats(self) -> dict:
+        self.refresh()
+        return state_stats(self.live.chroma, self.chunks.store)
+
+    def prune(self) -> int:
+        self.refresh()
+        return self._prune()
+
+    def _prune(self) -> int:
+        n = prune(self.live.chroma, self.chunks.store)
+        if n:
+            self.commit()
+        return n
+
+    def verify(self, store: bool = True) -> VerifyReport:
+        self.refresh()
+        return verify(self.live.chroma, self.chunks.store, self.folder.upload_dir, store)
+
+    def repair(self) -> list[str]:
+        self.refresh()
+        fixed = repair_index(self.ingestor(), self.folder.upload_dir)
+        if fixed:
+            self.commit()
+        return fixed

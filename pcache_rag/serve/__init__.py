@@ -8,7 +8,8 @@ sse-starlette, python-multipart).
 """
 
 from .app import create_app
-from .service import AnswerService, Busy, RequestError
+from .errors import Busy, RequestError
+from .service import AnswerService
 
 __all__ = ["AnswerService", "Busy", "RequestError", "create_app", "serve", "server_config"]
 

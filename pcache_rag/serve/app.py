@@ -26,7 +26,8 @@ from ..rag.chunking import SUPPORTED
 from .guard import LOOPBACK_NAMES, Guard
 from .http import body_json, error, events_of, first_event
 from .openai_api import router as openai_router
-from .service import AnswerService, Busy, RequestError
+from .errors import Busy, RequestError
+from .service import AnswerService
 
 STATIC = Path(__file__).parent / "static"
 _SAFE = re.compile(r"[^A-Za-z0-9._ -]+")
@@ -58,7 +59,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
     async def lifespan(app):
         await asyncio.to_thread(service.warm)
         service.start()
-        await asyncio.to_thread(service.resume_uploads)
+        await asyncio.to_thread(service.uploads.resume)
         yield
         service.stop()
 
@@ -105,21 +106,21 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
 
     @app.get("/api/ingest")
     async def ingest_status():
-        return service.ingest_status()
+        return service.uploads.status()
 
     @app.post("/api/documents", status_code=202)
     async def upload(files: list[UploadFile]):
         """Save the uploaded files under the upload folder and ingest them in the background."""
         if not files:
             raise RequestError("no file was uploaded")
-        service.check_ingest_idle()  # before writing anything
+        service.uploads.check_idle()  # before writing anything
         names = [safe_upload_name(f.filename) for f in files]  # refuse the lot before writing any
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise RequestError(f"two files in this upload have the same name ({', '.join(twice)}): rename one, or "
                                f"upload them separately (the later one replaces the earlier)")
-        service.upload_dir.mkdir(parents=True, exist_ok=True)
-        root = service.upload_dir.resolve()
+        service.uploads.upload_dir.mkdir(parents=True, exist_ok=True)
+        root = service.uploads.upload_dir.resolve()
         saved = []
         for f, name in zip(files, names):
             dest = (root / name).resolve()
@@ -140,7 +141,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
             finally:
                 tmp.unlink(missing_ok=True)
             saved.append(dest)
-        service.ingest(saved, label=names)
+        service.uploads.start(saved, label=names)
         return {"files": names, "ingest": "/api/ingest"}
 
     @app.post("/api/sample", status_code=202)
@@ -151,7 +152,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
 
         corpus = await asyncio.to_thread(build_corpus, cache_home() / "sample-corpus")
         files = sorted(corpus.glob("*.txt"))
-        service.ingest([corpus], label=[f.name for f in files])
+        service.uploads.start([corpus], label=[f.name for f in files])
         return {"files": [f.name for f in files], "ingest": "/api/ingest"}
 
     @app.post("/api/ask")

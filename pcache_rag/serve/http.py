@@ -10,7 +10,8 @@ import json
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .service import Job, RequestError
+from .errors import RequestError
+from .service import Job
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,

@@ -36,7 +36,7 @@ from sse_starlette import EventSourceResponse
 
 from ..grammar import resolve, with_instruction
 from .http import body_json, events_of, first_event
-from .service import RequestError
+from .errors import RequestError
 
 router = APIRouter(prefix="/v1")
 

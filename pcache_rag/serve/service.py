@@ -23,49 +23,22 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-import torch
 
 from ..engine import ContextOverflowError
 from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
-from ..rag.prompt import user_turn
+from .errors import Busy, RequestError, check_question
+from .uploads import Uploads
 
 log = logging.getLogger(__name__)
 
-#: Longest question accepted, in characters (checked before tokenizing; the model's
-#: context is checked after).
-MAX_QUESTION_CHARS = 16_000
 #: a plain-model prompt carries its documents: far longer than a question, still bounded
 MAX_PROMPT_CHARS = 400_000
-_INGESTING = "an ingestion is already running: wait for it to finish"
-
-
-class Busy(RuntimeError):
-    """The queue is full; ``retry_after`` is a guess in whole seconds."""
-
-    def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"the server is busy: {waiting} questions are waiting; retry in about {retry_after} s")
-        self.retry_after = retry_after
-
-
-class RequestError(ValueError):
-    """A request the service cannot answer as asked; ``status`` is the HTTP status to send,
-    ``param`` the request field at fault and ``code`` a machine-readable reason (OpenAI's
-    error fields), when known."""
-
-    def __init__(self, message: str, status: int = 400, retry_after: int | None = None, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -102,21 +75,8 @@ class Job:
         self.cancelled.set()
 
 
-@dataclass
-class IngestState:
-    running: bool = False
-    stage: str = ""
-    done: int = 0
-    total: int = 0
-    files: list[str] = field(default_factory=list)
-    report: dict | None = None
-    error: str | None = None
-    started: float = 0.0
-    seconds: float = 0.0
-
-
 class AnswerService:
-    """Questions through one worker and a bounded queue; ingestion beside it.
+    """Questions through one worker and a bounded queue; ingestion beside it (:attr:`uploads`).
 
     ``rag`` is a :class:`~pcache_rag.rag.CachedRAG`; ``max_queue`` bounds the waiting
     questions (those being answered not counted); ``max_batch`` is how many are answered
@@ -139,13 +99,11 @@ class AnswerService:
         self._slots = threading.Semaphore(self.max_batch)  # answers in flight
         self._own_batch = False  # whether this service started the engine's batch
         self.max_new_tokens = int(max_new_tokens)
-        self.upload_dir = Path(upload_dir) if upload_dir else rag.upload_dir
+        #: files uploaded to the page, ingested in the background beside the answers
+        self.uploads = Uploads(rag, upload_dir)
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._worker: threading.Thread | None = None
-        self._ingest_thread: threading.Thread | None = None
-        self._ingest_lock = threading.Lock()
-        self.ingest_state = IngestState()
         self._running: set[str] = set()  # ids of the jobs being answered
         self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0}
         self._job_s: list[float] = []  # recent service times, for Retry-After
@@ -174,22 +132,6 @@ class AnswerService:
         self.rag.know_indexed()  # the index's chunks, found in prompts that paste them in
         release_pool()  # this thread now waits; answers run elsewhere
 
-    def resume_uploads(self) -> list[str]:
-        """Finish what a killed server left: uploads saved but never indexed are ingested in the
-        background, and half-written ``.part`` files are removed. Returns the names resumed."""
-        for part in self.upload_dir.glob(".*.part") if self.upload_dir.is_dir() else ():
-            part.unlink(missing_ok=True)
-        try:
-            pending = self.rag.pending_uploads(self.upload_dir)
-        except Exception as e:  # noqa: BLE001 - a damaged index is reported by the status panel
-            log.warning("cannot look for unindexed uploads: %s", e)
-            return []
-        if pending:
-            log.warning("%d uploaded files were never indexed (an ingest was interrupted): indexing them now",
-                        len(pending))
-            self.ingest(pending, label=[p.name for p in pending])
-        return [p.name for p in pending]
-
     def stop(self, timeout: float = 10.0) -> None:
         if self._worker is not None and self._worker.is_alive():
             while True:  # make room for the sentinel: waiting jobs are cancelled
@@ -206,8 +148,7 @@ class AnswerService:
         if self._own_batch:
             self.rag.pc.stop_batching()
             self._own_batch = False
-        if self._ingest_thread is not None:
-            self._ingest_thread.join(timeout)
+        self.uploads.join(timeout)
 
     # ------------------------------------------------------------------ questions
 
@@ -215,27 +156,12 @@ class AnswerService:
     def model_id(self) -> str:
         return self.rag.pc.model_name
 
-    def check_question(self, question) -> str:
-        if not isinstance(question, str):
-            raise RequestError("the question must be a string")
-        q = question.strip()
-        if not q:
-            raise RequestError("the question is empty")
-        if len(q) > MAX_QUESTION_CHARS:
-            raise RequestError(f"the question is {len(q)} characters; the limit is {MAX_QUESTION_CHARS}", 413)
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can carry "\ud800"; no tokenizer can read it
-            raise RequestError(f"the question is not valid Unicode: it holds an unpaired surrogate "
-                               f"({q[e.start].encode('unicode_escape').decode()}) at character {e.start}") from None
-        return q
-
     def submit(self, question: str, k: int | None = None, compare: bool = False,
                history: list[tuple[str, str]] | None = None, instruction: str = "", **gen) -> Job:
         """Queue a question (call from the event loop); raises :class:`RequestError` or
         :class:`Busy` at once rather than failing later. ``instruction`` follows the question in
         the prompt and is not part of the retrieval query."""
-        q = self.check_question(question)
+        q = check_question(question)
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32):
             raise RequestError("k must be a whole number from 1 to 32")
         gen.setdefault("max_new_tokens", self.max_new_tokens)
@@ -330,40 +256,6 @@ class AnswerService:
         job.emit(None)
         self._slots.release()
 
-    def _plain_stream(self, job: Job, notes: list[str]):
-        """The plain model: the prompt as sent, through the RAG index's own Assembler (its
-        documents' states, discovered in any message; why other text was computed joins ``notes``)."""
-        asm = self.rag.asm
-        self.rag.know_indexed()  # the index's chunks are found in the prompt, marked or not
-        segs = asm.message_segments(job.messages) if job.messages is not None else asm.text_segments(job.prompt or "")
-        notes.extend(segs.uncached)
-        return asm.stream_planned(segs, **job.gen)
-
-    def _carries_documents(self, job: Job) -> bool:
-        """Whether the question holds the text of one of the index's chunks (or another known
-        document): then it is a prompt with its own context, not a query."""
-        if len(job.question) < MIN_CHARS:  # shorter than any document discovery looks for
-            return False
-        self.rag.know_indexed()
-        return bool(self.rag.asm.known_texts.find(job.question))
-
-    def _rag_stream(self, job: Job, handles: list, notes: list[str]):
-        """The RAG model: the retrieved chunks and the question; with a conversation, its system
-        message and earlier turns come first, and the chunks' states are read all the same."""
-        rag = self.rag
-        question = job.question + job.instruction
-        if not job.history:
-            return rag.stream(question, handles=handles, **job.gen)
-        turns = list(job.history)
-        if not any(role == "system" for role, _ in turns):
-            turns.insert(0, ("system", rag.asm.system_prompt))
-        turns.append(("user", user_turn([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)],
-                                        question)))
-        if rag.calibration[0] is not None:
-            notes.append(f"the index's calibrated attention ({rag.calibration[0]}) applies to single questions, "
-                         "not to conversations: this answer is uncalibrated")
-        return rag.asm.stream_planned(rag.asm.message_segments(turns), recompute=rag.recompute, **job.gen)
-
     def _open(self, job: Job) -> _Opened | None:
         """Retrieve and build the job's stream, up to its first item (None: an error was sent)."""
         rag = self.rag
@@ -373,20 +265,23 @@ class AnswerService:
         handles = None
         retrieve_s = 0.0
         try:
-            if job.messages is None and job.prompt is None and self._carries_documents(job):
+            if job.messages is None and job.prompt is None and len(job.question) >= MIN_CHARS \
+                    and rag.carries_documents(job.question):
                 # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
                 notes.append("the question carries documents this server knows: answered as sent, without "
                              "retrieval (they are read from the cache)")
                 job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
-            if job.messages is not None or job.prompt is not None:
-                stream = self._plain_stream(job, notes)
+            if job.messages is not None or job.prompt is not None:  # the plain model: the prompt as sent
+                stream = rag.stream_prompt(job.messages, job.prompt, notes, **job.gen)
             else:
-                indexed = _indexed(rag, self.ingest_state.running)
-                if self.ingest_state.running:
+                indexed = _indexed(rag, self.uploads.running)
+                if self.uploads.running:
                     notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
                 handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding)
                 retrieve_s = time.perf_counter() - t0
-                stream = self._rag_stream(job, handles, notes)
+                question = job.question + job.instruction
+                stream = (rag.stream_turns(job.history, question, handles, notes, **job.gen) if job.history
+                          else rag.stream(question, handles=handles, **job.gen))
             # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
             # unsupported is the client's error, said before anything streams
         except RequestError as e:
@@ -437,44 +332,6 @@ class AnswerService:
                               "speedup": full_ttft / max(stats["ttft_s"], 1e-9),
                               "prompt_tokens": full.output.computed_tokens})
 
-    # ------------------------------------------------------------------ ingestion
-
-    def check_ingest_idle(self) -> None:
-        """:class:`RequestError` (409) if an ingestion is running."""
-        if self.ingest_state.running:
-            raise RequestError(_INGESTING, 409, retry_after=5)
-
-    def ingest(self, paths: Sequence[str | Path], label: list[str] | None = None) -> None:
-        """Start ingesting ``paths`` in the background; :class:`RequestError` (409) if an
-        ingestion is already running."""
-        if not self._ingest_lock.acquire(blocking=False):
-            raise RequestError(_INGESTING, 409, retry_after=5)
-        st = self.ingest_state = IngestState(running=True, files=label or [Path(p).name for p in paths],
-                                             started=time.perf_counter())
-
-        def progress(stage: str, done: int, total: int) -> None:
-            st.stage, st.done, st.total = stage, done, total
-
-        def run() -> None:
-            try:
-                rep = self.rag.ingest(paths, progress=False, on_progress=progress)
-                st.report = {
-                    "added": rep.added, "changed": rep.changed, "unchanged": rep.unchanged, "empty": rep.empty,
-                    "chunks_encoded": rep.chunks_encoded, "chunks_reused": rep.chunks_reused,
-                    "skipped": [[Path(p).name, why] for p, why in rep.skipped], "notes": rep.notes,
-                    "seconds": rep.seconds,
-                }
-            except Exception as e:  # noqa: BLE001 - reported on the page; the server stays up
-                log.exception("ingestion failed")
-                st.error = f"{type(e).__name__}: {e}"
-            finally:
-                st.seconds = time.perf_counter() - st.started
-                st.running = False
-                self._ingest_lock.release()
-
-        self._ingest_thread = threading.Thread(target=run, name="pcache-ingest", daemon=True)
-        self._ingest_thread.start()
-
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict:
@@ -494,7 +351,7 @@ class AnswerService:
             "model": self.model_id,
             "chunks": chunks,
             "documents": documents,
-            "bytes_per_token": pc.adapter.kv_shape.bytes_per_token(torch.empty(0, dtype=pc.store_dtype).element_size()),
+            "bytes_per_token": self.rag.chunks.bytes_per_token,
             "tiers": tiers,
             "states": states,  # lazily indexed chunks: hot (encoded on first use) and cold
             "encoded": st["encoded"],  # by this process: zero when another one encoded everything
@@ -506,14 +363,9 @@ class AnswerService:
                       "answering": len(self._running), "max_batch": self.max_batch},
             "batch": self.rag.pc.batch_stats(),
             **self.counts,
-            "ingest": self.ingest_status(),
+            "ingest": self.uploads.status(),
         }
 
-    def ingest_status(self) -> dict:
-        """The running or last ingestion: stage (``read`` bytes, ``encode`` chunks), done,
-        total, files, and the report or error once it ended."""
-        st = self.ingest_state
-        return {k: v for k, v in vars(st).items() if k != "started"}
 
 
 def _indexed(rag, ingesting: bool) -> int:

@@ -1,0 +1,126 @@
+"""The engine's core: the parts a forward needs, and a prompt's prefill and decode on them.
+
+:class:`EngineCore` owns the model's adapter, the workspace, the prefiller, the decoder, the
+engine lock and the output listeners. The continuous batch's :class:`~.scheduler.Scheduler`
+and the :class:`~.dispatch.Dispatcher` receive this core, typed, not the facade;
+:class:`~.prompt_cache.PromptCache` keeps the schemas, the store and the public API over them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..kv import ModuleKV, Workspace
+from ..models import adapter_for
+from ..models.attention import Calibration
+from ..models.fast_decode import use_decode_weights
+from ..recompute import Lexicon, Recompute
+from .decode import Decoder, SamplingParams, eos_ids
+from .listeners import Listeners
+from .lock import EngineLock
+from .prefill import Prefiller
+from .types import ContextOverflowError, GenerationOutput, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A prompt of cached states and new tokens: the kind of prompt :meth:`PromptCache.generate`
+    takes besides a PML string.
+
+    ``parts``: ``(label, states)`` pairs, each already at its positions (see
+    :meth:`PromptCache.place`); ``new_ids``: the token ids computed after them, placed right after
+    the last part's last position; ``preamble``: the label of the part the new tokens read as the
+    preamble (with ``encoding="preamble"``); ``calibration``: ``"ape:T:S"`` calibrates attention
+    to every part after the first (:class:`~pcache_rag.models.attention.Calibration`).
+    """
+
+    parts: Sequence[tuple[str, ModuleKV]]
+    new_ids: Sequence[int]
+    preamble: str | None = None
+    calibration: str | Calibration | None = None
+#: prefills the prompt into the workspace, leaving room for that many generated tokens
+Prepare = Callable[[int], PrefillResult]
+
+
+class EngineCore:
+    """The model side of one engine: ``model`` wrapped by its family's adapter, a workspace of
+    ``max_tokens`` rows to start with (it grows), and ``decode_weights`` (``"int8"``/``"bf16"``
+    copies of the linear weights for generated tokens, self-checked) when asked for."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, max_tokens: int | None = None,
+                 decode_weights: str | None = None) -> None:
+        self.model = model.eval()
+        self.adapter = adapter_for(model)
+        self.max_positions: int = self.adapter.max_positions
+        s = self.adapter.kv_shape
+        cap = max_tokens or min(self.max_positions, 1024)
+        self.workspace = Workspace(s.n_layers, s.n_kv_heads, s.head_dim, s.head_dim_v, self.adapter.dtype,
+                                   self.adapter.device, cap)
+        #: serializes the workspace: one prefill or decode step at a time
+        self.lock = EngineLock()
+        #: what ``decode_weights`` did (None: not asked for)
+        self.decode_report = None if decode_weights is None else use_decode_weights(model, decode_weights, tokenizer)
+        if getattr(self.adapter, "rerotatable", False):
+            # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
+            # if moved keys do not match keys encoded in place, never move states.
+            try:
+                self.adapter.self_check()  # type: ignore[attr-defined]  # RoPE adapters (rerotatable) have it
+            except RuntimeError as e:
+                log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
+                self.adapter.rerotatable = False
+        self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
+        self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer))
+        #: called with every finished generation's output
+        self.listeners = Listeners()
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_parts(self, prompt: Parts, reserve: int, policy: Recompute) -> PrefillResult:
+        """``prompt``'s cached parts plus its new tokens right after the last part, in one forward
+        (the caller holds :attr:`lock`; its preamble and calibration are resolved)."""
+        parts, new_ids = prompt.parts, list(prompt.new_ids)
+        if not new_ids:
+            raise ValueError("there must be at least one new token to compute")
+        start = max((int(kv.position_ids[-1]) + 1 for _, kv in parts), default=0)
+        pos = list(range(start, start + len(new_ids)))
+        if pos[-1] >= self.max_positions:
+            raise ContextOverflowError(f"the prompt needs {pos[-1] + 1} positions; the model takes {self.max_positions}")
+        return self.prefiller.run([p[0] for p in parts], [p[1] for p in parts], [], new_ids, pos, prompt.preamble,
+                                  reserve, policy, Calibration.parse(prompt.calibration))
+
+    @torch.no_grad()
+    def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     last: int = 1) -> torch.Tensor:
+        """The baseline: one causal forward over all tokens, nothing reused (:meth:`Prefiller.full`)."""
+        return self.prefiller.full(input_ids, position_ids, last)
+
+    def run(self, prepare: Prepare, params: SamplingParams, unbatched: str = "") -> Iterator[str | GenerationOutput]:
+        """Prefill with ``prepare(reserve)`` and decode alone over the workspace; yields text
+        deltas, then the output. The lock is taken at the first item; TTFT counts from there, so
+        planning and fetching states are included."""
+        t0 = time.perf_counter()
+        with self.lock, torch.no_grad():
+            res = prepare(params.max_new_tokens)
+            yield from self.decoder.stream(res, t0, params, self.workspace.cache(), unbatched)
+
+    @property
+    def batch_refusal(self) -> str:
+        """Why this model cannot decode in a batch ('' when it can)."""
+        return batch_refusal(self.adapter)
+
+
+def batch_refusal(adapter) -> str:
+    """Why a model cannot decode in a batch ('' when it can)."""
+    if adapter.family == "alibi":
+        return "ALiBi models decode alone: their bias needs each request's key positions"
+    if not getattr(adapter, "fast", False):
+        return f"{type(adapter.model).__name__} does not run its attention through pcache_sdpa"
+    return ""
