@@ -129,7 +129,7 @@ def cmd_ingest(a) -> int:
         print("pcache-rag: give files or directories to ingest (or --prune / --repair alone)", file=sys.stderr)
         return 2
     # Validate everything cheap before the model loads.
-    from .frameworks import parse_conditioning
+    from .docmodules import parse_conditioning
 
     parse_conditioning(a.conditioning)
     Index(a.index, create=True)

@@ -61,6 +61,23 @@ def parse_conditioning(spec: str | None) -> int:
                      f"{len(NEUTRAL_PASSAGES)}, not {spec!r}")
 
 
+def conditioning_refusal(kind: str, encoding: str, movable: bool, family: str, constrained: str,
+                         model_type: str) -> str:
+    """Why an engine cannot encode units after ``kind`` conditioning (``"neutral"``, a passage, or
+    ``"learned"``); ``''`` when it can. The one rule the PML schemas and the document states both
+    apply: conditioning extends the preamble context (``encoding="preamble"``), states encoded after
+    it must move back (RoPE or ALiBi), and a learned prefix's embeddings need a RoPE model without
+    sliding windows or soft-capping (the other adapters feed token ids only)."""
+    if encoding != "preamble":
+        return "it extends the preamble context, so it needs encoding='preamble'"
+    if not movable:
+        return f"it needs states that can move (RoPE or ALiBi); {model_type}'s {family} positions cannot"
+    if kind == "learned" and (family != "rope" or constrained):
+        return (f"a learned prefix needs a RoPE model without sliding windows or soft-capping; {model_type} has "
+                f"{constrained or family + ' positions'}")
+    return ""
+
+
 def neutral_text(n: int) -> str:
     """The first ``n`` neutral passages, each ending with a blank line (as a document does)."""
     folder = Path(__file__).parent / "data"

@@ -18,7 +18,7 @@ from .samples import QUESTIONS, build_corpus
 def _say_conditioning(rag) -> None:
     """Which conditioning the index's chunks are encoded under, and where a better one exists."""
     from .conditioning import installed_prefix
-    from .frameworks.marked import takes_prefix
+    from .docmodules.states import takes_prefix
 
     cond = rag.asm.conditioning
     print(f"documents are encoded after: {cond}")

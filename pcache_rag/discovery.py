@@ -4,7 +4,7 @@ A stock pipeline (LangChain's ``create_stuff_documents_chain``, LlamaIndex's cha
 pastes retrieved documents into a message as plain text. :class:`KnownTexts` holds the texts
 whose states an engine keeps or can encode - ingested chunks, documents seen through a
 connector, the documents one of our retrievers returned - and finds them in a prompt, so the
-:class:`~pcache_rag.frameworks.Assembler` serves each one from the cache exactly as if it had
+:class:`~pcache_rag.docmodules.Assembler` serves each one from the cache exactly as if it had
 been marked.
 
 How it finds them: every known text (stripped of surrounding whitespace) is indexed by its

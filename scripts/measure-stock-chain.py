@@ -37,7 +37,7 @@ def measure(case: str, a) -> dict:
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_pcache import ChatPromptCache
 
-    from pcache_rag.frameworks import assembler_for, shared_engine
+    from pcache_rag.docmodules import assembler_for, shared_engine
     from pcache_rag.samples import stdlib_docs
 
     states = tempfile.mkdtemp(prefix=f"pcache-stock-chain-{case}-")

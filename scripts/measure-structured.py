@@ -37,7 +37,7 @@ def measure(a) -> dict:
     from pydantic import BaseModel, Field
 
     from langchain_pcache import ChatPromptCache, PromptCacheDocumentEncoder
-    from pcache_rag.frameworks import assembler_for, shared_engine
+    from pcache_rag.docmodules import assembler_for, shared_engine
     from pcache_rag.grammar import SCHEMA_INSTRUCTION, json_grammar, warm
     from pcache_rag.pml import bos_ids
     from pcache_rag.samples import stdlib_docs

@@ -10,7 +10,7 @@ import torch
 
 from pcache_rag import PromptCache
 from pcache_rag.conditioning import installed_prefix
-from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
+from pcache_rag.docmodules import MIN_CONDITIONED_TOKENS, Assembler, neutral_text, parse_conditioning
 
 pytestmark = pytest.mark.real_model
 

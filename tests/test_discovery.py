@@ -123,7 +123,7 @@ def test_stock_chain_reads_documents_first_seen_in_its_own_system_message(smol):
 
     from langchain_pcache import ChatPromptCache, MiniLMEmbeddings
     from pcache_rag import PromptCache
-    from pcache_rag.frameworks import Assembler, register_engine
+    from pcache_rag.docmodules import Assembler, register_engine
 
     pc = PromptCache(smol.model, smol.tokenizer)  # its own known texts and states
     register_engine(pc, "smollm2-135m-instruct", "/nonexistent/pcache-discovery-stock-chain")
@@ -169,7 +169,7 @@ def test_documents_too_short_to_learn_are_said_so_in_the_response(smol):
     pytest.importorskip("langchain_pcache")
     from langchain_pcache import ChatPromptCache
     from pcache_rag import PromptCache
-    from pcache_rag.frameworks import PCacheFallbackWarning, register_engine
+    from pcache_rag.docmodules import PCacheFallbackWarning, register_engine
 
     register_engine(PromptCache(smol.model, smol.tokenizer), "smollm2-135m-instruct", "/nonexistent/pcache-short")
     llm = ChatPromptCache(max_tokens=4, cache_dir="/nonexistent/pcache-short")
@@ -189,7 +189,7 @@ def test_documents_too_short_to_learn_are_said_so_in_the_response(smol):
 
 @pytest.mark.real_model
 def test_an_unmarked_known_document_in_a_system_message_is_read_from_the_cache(smol):
-    from pcache_rag.frameworks import Assembler
+    from pcache_rag.docmodules import Assembler
 
     asm = Assembler(smol, conditioning="none")
     doc_a, doc_b = (d * 2 for d in (DOC_A, DOC_B))  # long enough to be worth a module
@@ -212,7 +212,7 @@ def test_an_unmarked_known_document_in_a_system_message_is_read_from_the_cache(s
 
 @pytest.mark.real_model
 def test_a_document_seen_marked_once_is_found_unmarked_later(smol):
-    from pcache_rag.frameworks import Assembler, format_documents
+    from pcache_rag.docmodules import Assembler, format_documents
 
     asm = Assembler(smol, conditioning="none")
     doc = "The harbour master logs every arrival in the blue ledger before noon. " * 3
@@ -255,7 +255,7 @@ def test_documents_encoded_by_one_engine_are_found_by_another_on_the_same_states
     """The connectors' encoder in one process, a server in another: the second engine (a new
     one on the same ``cache_dir``) finds the unmarked document and reads its stored states."""
     from pcache_rag import PromptCache
-    from pcache_rag.frameworks import Assembler
+    from pcache_rag.docmodules import Assembler
 
     doc = "The harbour master logs every arrival in the green ledger before noon, and no later. " * 3
     first = Assembler(PromptCache(smol.model, smol.tokenizer, cache_dir=str(tmp_path)), conditioning="none")

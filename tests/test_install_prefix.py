@@ -14,7 +14,7 @@ from helpers import tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.cli import main
 from pcache_rag.conditioning import LearnedPrefix, install, installed_dir, installed_prefix
-from pcache_rag.frameworks import Assembler
+from pcache_rag.docmodules import Assembler
 from pcache_rag.measure.quality import install_prefix
 
 

@@ -17,7 +17,7 @@ from helpers import tiny_model
 from pcache_rag import PromptCache
 from pcache_rag import conditioning
 from pcache_rag.conditioning import LearnedPrefix, installed_dir, installed_prefix
-from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler
+from pcache_rag.docmodules import MIN_CONDITIONED_TOKENS, Assembler
 from pcache_rag.pml import PMLError, escape
 from pcache_rag.rag.learned import initial_embeds
 
@@ -176,7 +176,7 @@ def test_components_answering_from_an_index_read_it_under_its_conditioning(pc, t
     from langchain_pcache import ChatPromptCache
     from llama_index.llms.pcache import PromptCacheLLM
 
-    from pcache_rag.frameworks import assembler_for, register_engine
+    from pcache_rag.docmodules import assembler_for, register_engine
     from pcache_rag.rag import CachedRAG, index_conditioning
 
     prefix = LearnedPrefix(initial_embeds(pc)[:16] - 0.05, {"fingerprint": pc.fingerprint})

@@ -16,7 +16,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests, Retriev
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
 from langchain_pcache import ChatPromptCache, PromptCacheRetriever  # noqa: E402
-from pcache_rag.frameworks import PCacheFallbackWarning, register_engine  # noqa: E402
+from pcache_rag.docmodules import PCacheFallbackWarning, register_engine  # noqa: E402
 from helpers import last_output
 
 pytestmark = pytest.mark.real_model

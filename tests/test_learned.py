@@ -14,7 +14,7 @@ import torch
 from helpers import tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.conditioning import LearnedPrefix, conditioning_kind
-from pcache_rag.frameworks import MIN_CONDITIONED_TOKENS, Assembler
+from pcache_rag.docmodules import MIN_CONDITIONED_TOKENS, Assembler
 from pcache_rag.rag.learned import Prompt, Student, initial_embeds, kl, learn_prefix, teacher
 from pcache_rag.engine import Parts
 

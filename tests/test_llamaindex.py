@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from helpers import write_pdf, last_output
-from pcache_rag.frameworks import register_engine
+from pcache_rag.docmodules import register_engine
 
 pytestmark = pytest.mark.real_model
 
@@ -199,7 +199,7 @@ def test_llm_chat_template_params_and_async(smol):
 def test_default_recompute_is_the_rag_default(smol):
     """``PromptCacheLLM``'s answers over documents recompute the question's own sentence
     (``"auto"``: ``match:1``, CachedRAG's default); ``None`` reads the cache alone."""
-    from pcache_rag.frameworks import format_documents
+    from pcache_rag.docmodules import format_documents
 
     from llama_index.llms.pcache import PromptCacheLLM
 

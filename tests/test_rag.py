@@ -125,7 +125,7 @@ def test_llamaindex_query_engine_over_an_index(rag):
     """build_query_engine(index_dir): the retriever's nodes are the chunks as encoded at ingest,
     so the answer reads every chunk from the store and computes only the question."""
     from llama_index.llms.pcache import build_query_engine
-    from pcache_rag.frameworks import register_engine
+    from pcache_rag.docmodules import register_engine
 
     register_engine(rag.pc, None, str(rag.index_dir / "kv"))
     q = "What is the capital of France?"
@@ -153,7 +153,7 @@ def test_langchain_text_llm_streams_with_callbacks(smol):
     from langchain_core.callbacks import BaseCallbackHandler
 
     from langchain_pcache import PromptCacheTextLLM
-    from pcache_rag.frameworks import format_documents, register_engine
+    from pcache_rag.docmodules import format_documents, register_engine
 
     register_engine(smol, "smollm2-135m-instruct", "/nonexistent/pcache-text-llm")
 

@@ -59,7 +59,7 @@ def _framework_block(title: str, doc: Path = README) -> str:
 
 
 def _my_docs(tmp_path, monkeypatch, smol):
-    from pcache_rag.frameworks import register_engine
+    from pcache_rag.docmodules import register_engine
 
     register_engine(smol)  # the default config's engine: the session's model, an in-memory store
     monkeypatch.chdir(tmp_path)
@@ -98,7 +98,7 @@ def _connector_block(name: str) -> str:
 def test_the_langchain_connectors_quick_start_runs(smol, capsys):
     """Its stock chain: the second question reads the documents the first one's prompt taught."""
     from pcache_rag import PromptCache
-    from pcache_rag.frameworks import register_engine
+    from pcache_rag.docmodules import register_engine
 
     register_engine(PromptCache(smol.model, smol.tokenizer))  # the default config: a fresh in-memory engine
     exec(compile(_connector_block("langchain-pcache"), "langchain-pcache/README.md", "exec"), {})
@@ -108,7 +108,7 @@ def test_the_langchain_connectors_quick_start_runs(smol, capsys):
 
 
 def test_the_llamaindex_connectors_quick_start_runs(smol, capsys):
-    from pcache_rag.frameworks import register_engine
+    from pcache_rag.docmodules import register_engine
 
     register_engine(smol)
     exec(compile(_connector_block("llama-index-llms-pcache"), "llama-index-llms-pcache/README.md", "exec"), {})
@@ -120,7 +120,7 @@ def test_the_llamaindex_connectors_quick_start_runs(smol, capsys):
 def test_structured_output_example_runs(smol, capsys):
     import textwrap
 
-    from pcache_rag.frameworks import register_engine
+    from pcache_rag.docmodules import register_engine
 
     register_engine(smol)  # the default config's engine: the session's model, an in-memory store
     exec(compile(textwrap.dedent(_framework_block("* **Structured output.**", GUIDE)), "guide.md:structured", "exec"),

@@ -180,7 +180,7 @@ def test_rag_model_honours_the_system_message_and_earlier_turns(served):
     read from the cache all the same."""
     from openai import OpenAI
 
-    from pcache_rag.frameworks import format_documents
+    from pcache_rag.docmodules import format_documents
 
     srv, _service, rag = served
     client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)

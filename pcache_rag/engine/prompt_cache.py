@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..conditioning import conditioning_refusal
 from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..kv import ModuleKV
 from ..models.attention import Calibration
@@ -113,7 +114,7 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         self.encoder = Encoder(self.adapter, self.store, self.store_dtype)
-        movable = bool(getattr(self.adapter, "rerotatable", False)) or self.adapter.family == "alibi"
+        self.movable = movable = bool(getattr(self.adapter, "rerotatable", False)) or self.adapter.family == "alibi"
         self.schemas = SchemaRegistry(tokenizer, self.chat, self.max_positions, self.fingerprint, encoding,
                                       self.encoder, self.store, movable, self.model_type)
         self.last_report: SchemaReport | None = None
@@ -131,6 +132,11 @@ class PromptCache:
     def model_type(self) -> str:
         """The model's ``config.model_type`` (``"llama"``, ``"gpt2"``...)."""
         return str(getattr(getattr(self.model, "config", None), "model_type", "?"))
+
+    def conditioning_refusal(self, kind: str) -> str:
+        """Why this engine cannot encode after ``kind`` conditioning ('' when it can; :func:`~pcache_rag.conditioning.conditioning_refusal`)."""
+        return conditioning_refusal(kind, self.encoding, self.movable, self.adapter.family, self.adapter.constrained,
+                                    self.model_type)
 
     @property
     def model_name(self) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..conditioning import installed_prefix, neutral_text, parse_conditioning
+from ..conditioning import conditioning_refusal, installed_prefix, neutral_text, parse_conditioning
 from ..kv import ModuleKV
 from ..pml import PMLError, SchemaLayout, layout_schema, parse_prompt, plan_prompt
 from ..pml.layout import PromptPlan, Unit
@@ -109,18 +109,12 @@ class SchemaRegistry:
         n = LEARNED if learned else parse_conditioning(layout.conditioning)
         if not n:
             return 0
-        why = None
         adapter = self.encoder.adapter
-        if self.encoding != "preamble":
-            why = "it extends the preamble context, so it needs encoding='preamble'"
-        elif layout.preamble is None:
+        why = conditioning_refusal("learned" if learned else "neutral", self.encoding, self.movable, adapter.family,
+                                   adapter.constrained, self.model_type)
+        if not why and layout.preamble is None:
             why = "the schema has no preamble (text before its first module) to extend"
-        elif not self.movable:
-            why = f"it needs states that can move (RoPE or ALiBi); {self.model_type}'s cannot"
-        elif learned and (adapter.family != "rope" or adapter.constrained):
-            why = (f"a learned prefix needs a RoPE model without sliding windows or soft-capping; {self.model_type} "
-                   f"has {adapter.constrained or adapter.family + ' positions'}")
-        elif learned and installed_prefix(self.fingerprint) is None:
+        elif not why and learned and installed_prefix(self.fingerprint) is None:
             why = (f"no learned prefix is installed for this model ({self.model_type}): install one with "
                    "`pcache-rag install-prefix`, use conditioning='neutral', or a CachedRAG index moved to its own "
                    "prefix (`pcache-rag calibrate --learn`)")

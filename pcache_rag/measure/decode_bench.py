@@ -44,7 +44,7 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
     """The rows described in the module docstring, as a dict (also logged as a table)."""
     from ..default_model import load_model
     from ..engine import PromptCache
-    from ..frameworks import Assembler, format_documents
+    from ..docmodules import Assembler, format_documents
 
     m, tok = load_model(model)
     name, text = next((n, t) for n, t in stdlib_docs(min_chars=doc_tokens * 8) if len(t) > doc_tokens * 4)

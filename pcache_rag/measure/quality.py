@@ -67,7 +67,7 @@ REORDERED = "full-reordered"
 FULL_MODES = ("full", REORDERED, "full-own-system")
 ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
 #: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
-#: passages; see :mod:`pcache_rag.frameworks`), read from the cache with nothing recomputed
+#: passages; see :mod:`pcache_rag.docmodules`), read from the cache with nothing recomputed
 #: ``cond:corpus`` conditions on one passage drawn from the eval's own filler corpus instead
 #: (synthetic sets only); ``cond:learned`` on a learned prefix (``pcache-rag calibrate --learn``;
 #: :func:`learn_eval_prefix`), the same one for every set
@@ -381,7 +381,7 @@ class _Synthetic:
 
     def __init__(self, model, tok):
         from ..engine import PromptCache
-        from ..frameworks import preamble_ids
+        from ..docmodules import preamble_ids
 
         self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]
@@ -399,7 +399,7 @@ class _Synthetic:
         self.template: str | None = None
 
     def doc_ids(self, doc: str) -> list[int]:
-        from ..frameworks import document_ids  # the RAG path's own document tokens
+        from ..docmodules import document_ids  # the RAG path's own document tokens
 
         return document_ids(self.pcs["preamble"], doc)
 
@@ -418,7 +418,7 @@ class _Synthetic:
             return kv
         t0 = time.perf_counter()
         if kv is None and enc.startswith("cond:"):
-            from ..frameworks import Assembler
+            from ..docmodules import Assembler
 
             asm = self.asms.get(enc)
             if asm is None:

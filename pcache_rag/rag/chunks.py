@@ -1,7 +1,7 @@
 """An index's chunk states: how a chunk is tokenized, keyed, encoded, placed and read back.
 
 :class:`ChunkStates` is the part of an index that ingest, maintenance, calibration and
-answering share. It holds the :class:`~pcache_rag.frameworks.Assembler` the chunks are encoded
+answering share. It holds the :class:`~pcache_rag.docmodules.Assembler` the chunks are encoded
 under (swapped when the index moves to another conditioning) and the store their states live
 in, handed over directly, so none of them reaches through the engine for either.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..conditioning import conditioning_kind, installed_prefix
 from ..engine import PromptCache
-from ..frameworks import Assembler
+from ..docmodules import Assembler
 from ..kv import ModuleKV
 from ..store import KVStore
 from .index_dir import Index, same_conditioning

@@ -9,7 +9,7 @@ damaged ``chroma.sqlite3`` is not healed silently: opening it raises
 :class:`IndexDamagedError`, which names the file and says to re-ingest; an
 ingest moves the damaged folder aside and rebuilds it from the documents.
 Chroma rebuilds its HNSW files from its own log when they are damaged, which
-``tests/test_hardening.py`` checks.
+``tests/test_index_integrity.py`` checks.
 """
 
 from __future__ import annotations

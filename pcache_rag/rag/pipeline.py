@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..conditioning import LearnedPrefix
-from ..frameworks import DEFAULT_SYSTEM
+from ..docmodules import DEFAULT_SYSTEM
 from ..engine import ContextOverflowError, Generation, Parts, PromptCache
 from ..kv import ModuleKV
 from ..models.attention import Calibration
@@ -65,7 +65,7 @@ EncodeMode = Literal["eager", "lazy"]
 
 def index_conditioning(index_dir: str | Path | Index) -> str | LearnedPrefix:
     """The conditioning an index's chunks are encoded under (:meth:`Index.conditioning`), for a
-    framework component that answers from it (:func:`pcache_rag.frameworks.assembler_for`)."""
+    framework component that answers from it (:func:`pcache_rag.docmodules.assembler_for`)."""
     if not Path(index_dir).expanduser().exists():
         return "default"  # an index not made yet: nothing is encoded under any conditioning
     return Index(index_dir, create=False).conditioning()
@@ -80,7 +80,7 @@ class CachedRAG:
     policy (``"auto"``: :func:`~pcache_rag.recompute.resolve_auto`; per call: ``answer(..., recompute=)``).
     ``kv_url`` (``"redis://host:6379/0"``): a remote tier that several processes or machines share.
     ``conditioning`` (``"neutral"``, ``"neutral:2"``, a learned prefix): what chunks are encoded after
-    besides the preamble (:mod:`pcache_rag.frameworks`); an index keeps its own until ``pcache-rag
+    besides the preamble (:mod:`pcache_rag.docmodules`); an index keeps its own until ``pcache-rag
     calibrate --learn`` moves it. ``retrieval``: ``"hybrid"`` (BM25 fused with MiniLM) or ``"dense"``.
     ``calibration``: ``"auto"`` (the index's own, from ``pcache-rag calibrate``), ``"none"`` or ``"ape:T:S"``.
     """
@@ -117,7 +117,7 @@ class CachedRAG:
 
     @property
     def asm(self):
-        """The :class:`~pcache_rag.frameworks.Assembler` the index's chunks are encoded under."""
+        """The :class:`~pcache_rag.docmodules.Assembler` the index's chunks are encoded under."""
         return self.chunks.asm
 
     @asm.setter

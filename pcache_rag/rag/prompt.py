@@ -1,7 +1,7 @@
 """The RAG prompt contract, in one place: what the model reads around the documents.
 
 ``preamble`` (the system prompt and the opening of the user turn, see
-:func:`pcache_rag.frameworks.preamble_ids`) + each chunk as :func:`chunk_text` (a ``[file name]``
+:func:`pcache_rag.docmodules.preamble_ids`) + each chunk as :func:`chunk_text` (a ``[file name]``
 header, then its text) + the question as :func:`question_ids`. The pipeline, the connectors
 and the quality eval all build prompts from these.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..engine import PromptCache
-from ..frameworks import DOC_SEPARATOR, DOCUMENTS_HEADER, format_documents
+from ..docmodules import DOC_SEPARATOR, DOCUMENTS_HEADER, format_documents
 
 #: what precedes the question after the documents
 QUESTION_PREFIX = "Question: "

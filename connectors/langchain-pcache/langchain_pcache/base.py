@@ -16,7 +16,7 @@
 * :func:`build_qa_chain` - retrieval chain over an index: ``{"input", "context", "answer"}``.
 
 Every class is built from plain config (model path, states folder or index folder) and
-shares one engine per config in the process (:func:`pcache_rag.frameworks.shared_engine`).
+shares one engine per config in the process (:func:`pcache_rag.docmodules.shared_engine`).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # Only the model-free part of pcache-rag loads with the connector: the engine (torch,
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
-from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+from pcache_rag import connector
+from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import resolve, with_instruction
 
 if TYPE_CHECKING:
-    from pcache_rag.frameworks import Assembler, CachedOutput
+    from pcache_rag.docmodules import Assembler, CachedOutput
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -84,13 +85,6 @@ class _EngineConfig:
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_pcache"]
 
-    def _engine_key(self) -> tuple[str | None, str | None]:
-        if self.index_dir:
-            from pcache_rag import Index
-
-            return self.model, str(Index(self.index_dir, create=False).kv_dir)
-        return self.model, self.cache_dir
-
     def _gen(self, stop: list[str] | None, kwargs: dict) -> dict:
         """Engine arguments from the instance's defaults and a call's overrides; anything the
         engine cannot honour is refused by name. ``response_format`` (OpenAI's shapes) or
@@ -110,16 +104,8 @@ class _EngineConfig:
         return {**gen, "recompute": kwargs.get("recompute", self.recompute), "instruction": instruction}
 
     def _asm(self) -> Assembler:
-        if self._assembler is None:
-            model, cache_dir = self._engine_key()
-            from pcache_rag.frameworks import assembler_for, shared_engine
-
-            conditioning: Any = "default"
-            if self.index_dir:  # the index's own: its chunks' states are then read as it stored them
-                from pcache_rag import Index
-
-                conditioning = Index(self.index_dir, create=False).conditioning()
-            self._assembler = assembler_for(shared_engine(model, cache_dir), self.document_preamble, conditioning)
+        if self._assembler is None:  # under the index's own conditioning, when there is an index
+            self._assembler = connector.assembler(self.model, self.index_dir, self.cache_dir, self.document_preamble)
         return self._assembler
 
     def get_token_ids(self, text: str) -> list[int]:
@@ -204,9 +190,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
-        from pcache_rag.recompute import resolve_auto
-
-        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
+        connector.check_recompute(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         for name in ("timeout", "max_retries", "api_key"):
@@ -330,9 +314,10 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
 
 
 def _usage(out: CachedOutput) -> dict:
-    n = len(out.output.token_ids)
-    return {"input_tokens": out.prompt_tokens, "output_tokens": n, "total_tokens": out.prompt_tokens + n,
-            "input_token_details": {"cache_read": out.cache_read}}
+    """LangChain's ``usage_metadata`` shape of :func:`pcache_rag.connector.usage`."""
+    u = connector.usage(out)
+    return {**{k: u[k] for k in ("input_tokens", "output_tokens", "total_tokens")},
+            "input_token_details": {"cache_read": u["cache_read"]}}
 
 
 class PromptCacheTextLLM(_EngineConfig, LLM):
@@ -356,9 +341,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
-        from pcache_rag.recompute import resolve_auto
-
-        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
+        connector.check_recompute(self.recompute)  # a bad policy is refused here, not at the first call
 
     @property
     def _llm_type(self) -> str:
@@ -413,13 +396,8 @@ class PromptCacheDocumentEncoder(_EngineConfig, BaseDocumentTransformer):
 class MiniLMEmbeddings(Embeddings):
     """The packaged all-MiniLM-L6-v2 (384-dim) as LangChain ``Embeddings``: offline, no hub."""
 
-    def __init__(self):
-        from pcache_rag.rag import MiniLMEmbedder
-
-        self._e = MiniLMEmbedder()
-
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return [list(map(float, v)) for v in self._e.embed(list(texts))]
+        return connector.embed(list(texts))
 
     def embed_query(self, text: str) -> list[float]:
         return self.embed_documents([text])[0]
@@ -436,20 +414,13 @@ class PromptCacheRetriever(BaseRetriever):
     _rag: Any = PrivateAttr(default=None)
 
     def model_post_init(self, __context: Any) -> None:
-        from pcache_rag import Index
-
-        if isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"k must be a positive integer, not {self.k!r}")
-        Index(self.index_dir, create=False)  # a mistyped path is an error, not an empty index
+        connector.check_count("k", self.k)
+        connector.check_index(self.index_dir)
 
     @property
     def rag(self):
         if self._rag is None:
-            from pcache_rag import CachedRAG, Index
-            from pcache_rag.frameworks import shared_engine
-
-            index = Index(self.index_dir, create=False)
-            self._rag = CachedRAG(index, pc=shared_engine(self.model, str(index.kv_dir)), k=self.k)
+            self._rag = connector.index_rag(self.model, self.index_dir, self.k)
         return self._rag
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,

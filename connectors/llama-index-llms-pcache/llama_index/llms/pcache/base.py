@@ -1,7 +1,7 @@
 """LlamaIndex classes over pcache-rag's public API.
 
 * :class:`PromptCacheLLM` - an LLM whose ``chat`` goes through the model's own chat
-  template; documents marked in a prompt (:func:`pcache_rag.frameworks.format_documents`)
+  template; documents marked in a prompt (:func:`pcache_rag.docmodules.format_documents`)
   are read from cached states. Sync, streaming and async (async runs off the event loop).
   Every response carries ``ttft_s``, ``cached_tokens`` and ``computed_tokens`` in
   ``additional_kwargs``. ``structured_predict`` (and ``as_structured_llm``) decode under the
@@ -51,11 +51,12 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # Only the model-free part of pcache-rag loads with the connector: the engine (torch,
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
-from pcache_rag.frameworks import DEFAULT_SYSTEM, format_documents, sampling
+from pcache_rag import connector
+from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import json_grammar, resolve, with_instruction
 
 if TYPE_CHECKING:
-    from pcache_rag.frameworks import Assembler, CachedOutput
+    from pcache_rag.docmodules import Assembler, CachedOutput
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KEY = "pcache_kv_key"
@@ -64,24 +65,6 @@ KEY = "pcache_kv_key"
 #: so the whole prefix is one cached module and only the question is computed
 DEFAULT_QA_TEMPLATE = ChatPromptTemplate.from_messages([
     ("system", DEFAULT_SYSTEM), ("user", "Documents:\n\n{context_str}\n\nQuestion: {query_str}")])
-
-
-def _conditioning(index_dir: str | None) -> Any:
-    """The conditioning documents are encoded under: an index's own (its chunks' states are then
-    read as it stored them), else the engine's default."""
-    if not index_dir:
-        return "default"
-    from pcache_rag import Index
-
-    return Index(index_dir, create=False).conditioning()
-
-
-def _engine_key(model: str, index_dir: str | None, cache_dir: str | None) -> tuple[str, str | None]:
-    if index_dir:
-        from pcache_rag import Index
-
-        return model, str(Index(index_dir, create=False).kv_dir)
-    return model, cache_dir
 
 
 class PromptCacheLLM(CustomLLM):
@@ -115,9 +98,7 @@ class PromptCacheLLM(CustomLLM):
 
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
-        from pcache_rag.recompute import resolve_auto
-
-        resolve_auto(self.recompute)  # a bad policy is refused here, not at the first call
+        connector.check_recompute(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
 
@@ -128,10 +109,7 @@ class PromptCacheLLM(CustomLLM):
     @property
     def assembler(self) -> Assembler:
         if self._assembler is None:
-            from pcache_rag.frameworks import assembler_for, shared_engine
-
-            self._assembler = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
-                                            self.document_preamble, _conditioning(self.index_dir))
+            self._assembler = connector.assembler(self.model, self.index_dir, self.cache_dir, self.document_preamble)
         return self._assembler
 
     @property
@@ -300,10 +278,8 @@ class PromptCacheEncoder(TransformComponent):
         return "PromptCacheEncoder"
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[BaseNode]:
-        from pcache_rag.frameworks import assembler_for, shared_engine
 
-        asm = assembler_for(shared_engine(*_engine_key(self.model, self.index_dir, self.cache_dir)),
-                            self.document_preamble, _conditioning(self.index_dir))
+        asm = connector.assembler(self.model, self.index_dir, self.cache_dir, self.document_preamble)
         for n in nodes:  # the key stays out of the text the LLM reads, so the key never changes it
             for keys in (n.excluded_llm_metadata_keys, n.excluded_embed_metadata_keys):
                 if KEY not in keys:
@@ -486,11 +462,8 @@ class PromptCacheRetriever(BaseRetriever):
     exactly as the model reads it, so the synthesizer hits the states encoded at ingest."""
 
     def __init__(self, index_dir: str, similarity_top_k: int = 4, model: str = DEFAULT_MODEL, **kwargs: Any):
-        from pcache_rag import Index
-
-        if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k must be a positive integer, not {similarity_top_k!r}")
-        Index(index_dir, create=False)  # a mistyped path is an error, not an empty index
+        connector.check_count("similarity_top_k", similarity_top_k)
+        connector.check_index(index_dir)
         super().__init__(**kwargs)
         self.index_dir, self.similarity_top_k, self.model = str(index_dir), similarity_top_k, model
         self._rag = None
@@ -498,11 +471,7 @@ class PromptCacheRetriever(BaseRetriever):
     @property
     def rag(self):
         if self._rag is None:
-            from pcache_rag import CachedRAG, Index
-            from pcache_rag.frameworks import shared_engine
-
-            index = Index(self.index_dir, create=False)
-            self._rag = CachedRAG(index, pc=shared_engine(self.model, str(index.kv_dir)), k=self.similarity_top_k)
+            self._rag = connector.index_rag(self.model, self.index_dir, self.similarity_top_k)
         return self._rag
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
@@ -559,18 +528,13 @@ class MiniLMEmbedding(BaseEmbedding):
     """The packaged all-MiniLM-L6-v2 (384-dim) as a LlamaIndex embedding model: offline, no hub."""
 
     model_name: str = "all-MiniLM-L6-v2"
-    _e: Any = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
         return "MiniLMEmbedding"
 
     def _vecs(self, texts: list[str]) -> list[list[float]]:
-        if self._e is None:
-            from pcache_rag.rag import MiniLMEmbedder
-
-            self._e = MiniLMEmbedder()
-        return [list(map(float, v)) for v in self._e.embed(texts)]
+        return connector.embed(texts)
 
     def _get_query_embedding(self, query: str) -> list[float]:
         return self._vecs([query])[0]

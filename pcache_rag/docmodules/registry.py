@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..conditioning import LearnedPrefix
 from ..engine import PromptCache
-from .marked import DEFAULT_SYSTEM, Assembler
+from .assembler import Assembler
+from .marks import DEFAULT_SYSTEM
 
 _ENGINES: dict[tuple[str, str], PromptCache] = {}
 _ASSEMBLERS: dict[tuple[int, str, str], Assembler] = {}

@@ -1,5 +1,7 @@
-"""Hardening, round 2 (issue 19): one test per numbered item, each written to fail on the code
-before the fix. Real servers on loopback ports (uvicorn, redis-server, headless Chromium
+"""Limits of the server and the document reader: an index that changes under a running server,
+file bombs, cross-site requests, API keys, odd file names, budgets, Redis errors, request
+sizes, resumed uploads, slow connections. Numbered by the items of the issue that asked for
+them (19), each written to fail on the code before the fix. Real servers on loopback ports (uvicorn, redis-server, headless Chromium
 where the item is about browsers); the embedded model."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Hardening (issue 10): a damaged store heals itself, a damaged chroma database is named and
+"""An index stays whole: a damaged store heals itself, a damaged chroma database is named and
 rebuilt, concurrent ingests leave exactly the current chunks, one bad file never stops a run,
-inputs are validated before any work. One test per numbered item of the issue, plus fault
-injection over every file of an index directory."""
+inputs are validated before any work. Numbered by the items of the issue
+that asked for them (10), plus fault injection over every file of an index directory."""
 
 import os
 import random

@@ -1,4 +1,4 @@
-"""Document marks and prompt segments: the part of :mod:`pcache_rag.frameworks` that needs
+"""Document marks and prompt segments: the part of :mod:`pcache_rag.docmodules` that needs
 no model (standard library only), so a connector imports in the time its framework takes.
 
 :func:`mark_document` wraps a document's text in two private-use characters (U+E000 ...

@@ -1,0 +1,301 @@
+"""Prompts made of text and documents: the cache inside other frameworks' pipelines.
+
+:class:`Assembler` is :class:`~.states.DocumentStates` plus the prompt side: it plans a
+prompt of segments into cached parts and new tokens, and answers it.
+
+LlamaIndex and LangChain render a RAG prompt as one string (or a list of chat
+messages) with the retrieved documents pasted into it. To reuse cached states
+the engine must know where each document starts and ends. pcache-rag marks
+them: :func:`mark_document` wraps a document's text in two private-use
+characters (U+E000 ... U+E001) that survive every prompt template unchanged,
+and :class:`Assembler` splits a rendered prompt at those marks:
+
+* the text before the first document (the chat template's opening, the system
+  prompt, the template's preface) is the **prefix**: its states are cached by
+  content, so a fixed system prompt is computed once;
+* each document is a **module** keyed by its text alone (content addressing;
+  encoded with one blank line after it). It is encoded once, at the canonical
+  position after the encoding preamble, and re-placed wherever a prompt puts it.
+  A document nobody encoded before is encoded on first use and stored, so the
+  second time it is a hit. Text between documents (a header written by a
+  template) is handled the same way;
+* everything after the last document (the question, the chat history, the
+  generation prompt) is computed.
+
+Documents are encoded against one fixed preamble (``system_prompt``, the RAG
+default) whatever prefix a prompt later puts before them: changing a prompt's
+system message re-encodes only the prefix, never the corpus. The cost of that
+approximation is measured in docs/guide.md ("Your system prompt").
+
+Marks are only structure: a document is tokenized as plain text
+(:mod:`pcache_rag.tokens`), and a stray or forged mark can at most make some
+text a module of its own text. A prompt with no marked and no known document is
+answered by full prefill, with a :class:`PCacheFallbackWarning` that says so (once per process).
+
+**Discovery** (:mod:`pcache_rag.discovery`): known documents - ingested chunks, documents
+encoded before through :meth:`Assembler.ensure` or a marked prompt, chunks one of our
+retrievers returned - are found in any message without marks and served from the cache
+exactly as marked ones are. Marks stay an explicit override.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..discovery import MIN_CHARS, Uncached, document_spans
+from ..engine import ContextOverflowError, GenerationOutput, Parts, SamplingParams
+from ..kv import ModuleKV
+from ..pml import bos_ids
+from ..recompute import resolve_auto
+from ..store import unit_key
+from .marks import DOC_SEPARATOR, ROLES, PCacheFallbackWarning, Segment, Segments, split_marked
+from .states import DocumentStates
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedOutput:
+    """A finished answer and what the prompt cost."""
+
+    output: GenerationOutput
+    prompt_tokens: int  # every token of the prompt
+    cache_read: int  # tokens whose stored states were used as they were
+    computed: int  # prompt tokens computed by this call (new, encoded now, recomputed)
+    encoded: int  # prefix/document tokens encoded by this call (and stored for next time)
+    documents: int  # documents in the prompt
+    uncached: list[str]  # why text that could have been a document was computed (Segments.uncached)
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    def stats(self) -> dict:
+        o = self.output
+        return {"ttft_s": o.ttft_s, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cache_read,
+                "computed_tokens": self.computed, "encoded_tokens": self.encoded,
+                "recomputed_tokens": o.recomputed_tokens, "documents": self.documents,
+                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason, "uncached": self.uncached}
+
+
+@dataclass(slots=True)
+class _Plan:
+    parts: list[tuple[str, ModuleKV]]
+    new_ids: list[int]
+    prompt_tokens: int
+    encoded: int
+    documents: int
+    uncached: list[str]
+
+
+class Assembler(DocumentStates):
+    """Prompts built from chat messages or plain text with marked or discovered documents,
+    answered from their cached states (see the module docstring); the states side, and the
+    arguments, are :class:`~.states.DocumentStates`'."""
+
+    # ------------------------------------------------------------------ prompts
+
+    def message_segments(self, messages: Sequence[tuple[str, str]], discover: bool = True,
+                         learn: bool = True) -> Segments:
+        """Chat messages ``(role, content)`` through the model's own chat template, ending with
+        the generation prompt. Contents are text; marked documents become documents, and so do
+        (unless ``discover`` is False) known documents found in any message and - with ``learn`` -
+        the system and user messages' other blocks that can be documents
+        (:func:`~pcache_rag.discovery.document_spans`). Only the template's markup may produce
+        control tokens. The result's ``uncached`` says why candidate text was computed."""
+        chat = self.chat
+        segs = Segments()
+        why = Uncached()
+        for i, (role, content) in enumerate(messages):
+            if role not in ROLES:
+                raise ValueError(f"unsupported message role {role!r}: pcache-rag renders {', '.join(ROLES)}")
+            segs.append(Segment(chat.prefix[role], "markup"))
+            final_user = i == len(messages) - 1 and role == "user"
+            segs.extend(self._content(content, discover, learn and role != "assistant", final_user,
+                                      why if role != "assistant" else None))
+            segs.append(Segment(chat.suffix[role], "markup"))
+            if i == 0 and role == "system":
+                segs.append(Segment("", "cut"))
+        segs.append(Segment(chat.generation_prompt, "markup"))
+        segs.uncached = why.reasons()
+        return segs
+
+    def text_segments(self, prompt: str, discover: bool = True, learn: bool = True) -> Segments:
+        """A raw text prompt (no chat template), read as one final user message would be by
+        :meth:`message_segments`."""
+        why = Uncached()
+        segs = Segments(self._content(prompt, discover, learn, True, why))
+        segs.uncached = why.reasons()
+        return segs
+
+    def _content(self, content: str, discover: bool, learn: bool, final_user: bool,
+                 why: Uncached | None) -> list[Segment]:
+        """One message's content as segments: marked documents, then the documents found in its
+        plain text (its first block and, in the final user message, its last are never learned)."""
+        pieces = split_marked(content)
+        out: list[Segment] = []
+        for j, (text, marked) in enumerate(pieces):
+            if marked or not discover:
+                out.append(Segment(text, "document" if marked else "text"))
+                continue
+            spans = document_spans(text, self.known_texts, learn=learn, lead=j == 0,
+                                   trail=final_user and j == len(pieces) - 1, uncached=why)
+            at = 0
+            for a, b in spans:
+                if a > at:
+                    out.append(Segment(text[at:a], "text"))
+                out.append(Segment(text[a:b], "document"))
+                at = b
+            if at < len(text):
+                out.append(Segment(text[at:], "text"))
+        return out
+
+    def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
+        """Token ids and states for ``segments``: the prefix and the documents from the store
+        (encoded now if missing), the rest as new tokens."""
+        uncached = list(getattr(segments, "uncached", ()))
+        # 1. group: plain runs tokenized together; documents with the separator after them where
+        # the prompt has it (else their states without it, and what follows is read as written)
+        groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
+        segs = list(segments)
+        i = 0
+        while i < len(segs):
+            s = segs[i]
+            if s.kind == "document":
+                i += 1
+                whole = i < len(segs) and segs[i].kind == "text" and segs[i].text.startswith(DOC_SEPARATOR)
+                if whole:  # the separator belongs to the document
+                    segs[i] = Segment(segs[i].text[len(DOC_SEPARATOR):], "text")
+                groups.append(("document", [s.text, whole]))
+                continue
+            if s.kind == "cut":
+                groups.append(("cut", []))
+            elif s.text:
+                if not groups or groups[-1][0] != "plain":
+                    groups.append(("plain", []))
+                groups[-1][1].append((s.text, s.kind == "markup"))
+            i += 1
+        n_docs = sum(1 for g in groups if g[0] == "document")
+        if n_docs:
+            groups = [g for g in groups if g[0] != "cut"]
+        # 2. ids per group; the prefix is everything before the first document (or the cut).
+        # A piece is (kind, ids the prompt reads, ids whose stored states hold them): a document
+        # read without its separator reads a head of its stored states.
+        pieces: list[tuple[str, list[int], list[int]]] = []
+        for kind, body in groups:
+            if kind == "document":
+                stored = self.doc_ids(body[0])
+                read = stored if body[1] else self.doc_body(stored, body[0])
+                pieces.append(("document", read, stored if read == stored[: len(read)] else read))
+                self.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
+            elif kind == "cut":
+                pieces.append(("cut", [], []))
+            else:
+                ids = self.safe.segments(body)
+                pieces.append(("plain", ids, ids))
+        bos = bos_ids(self.tokenizer)
+        first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
+        prefix = bos + [t for _, ids, _ in pieces[:first] for t in ids]
+        body = [p for p in pieces[first:] if p[0] != "cut"]
+        last = max((j for j, p in enumerate(body) if p[0] == "document"), default=-1)
+        tail = [t for _, ids, _ in body[last + 1 :] for t in ids]
+        mid = [(ids, stored) for _, ids, stored in body[: last + 1] if ids]
+        if not tail:  # a prompt that ends with a document: its last piece is computed
+            if mid:
+                tail = mid.pop()[0]
+            else:
+                tail, prefix = prefix, []
+        total = len(prefix) + sum(len(ids) for ids, _ in mid) + len(tail)
+        if total + max_new_tokens > self.max_positions:
+            raise ContextOverflowError(
+                f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
+                f"positions, but the model takes {self.max_positions}: retrieve fewer or shorter documents"
+            )
+        if n_docs == 0 and total > len(prefix):
+            log.info("a %d-token prompt holds no known or marked document: %d of its tokens are computed",
+                     total, total - len(prefix))
+            # one constant text: the warnings filter shows it once per process, at any prompt length
+            warnings.warn(
+                "a prompt held no marked document, no known one (ingested, retrieved by a pcache retriever, "
+                f"encoded before) and no block that can be learned as one (at least {MIN_CHARS} characters between blank "
+                "lines, not a message's first block nor the question's), so only its prefix came from the "
+                "cache: put blank lines around the documents, ingest or encode them first, or mark them with "
+                "pcache_rag.docmodules.format_documents (LangChain: format_docs; LlamaIndex: PromptCacheSynthesizer)",
+                PCacheFallbackWarning, stacklevel=4,
+            )
+        if not mid and not prefix:  # nothing to reuse: one full prefill
+            return _Plan([], tail, total, 0, 0, uncached)
+        # 3. states
+        parts: list[tuple[str, ModuleKV]] = []
+        encoded = 0
+        if prefix:  # the RAG preamble itself, or another prefix: both cached by content
+            key = (self.base_key if prefix == self.base_ids
+                   else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix"))
+            kv = self.store.get(key)
+            if kv is None:
+                kv = self.encoder.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
+                self.store.put(key, kv)
+                encoded += len(prefix)
+            parts.append(("prefix", kv))
+        pos = len(prefix)
+        for j, (ids, stored) in enumerate(mid):
+            kv, new = self.states(stored)
+            kv = kv.head(len(ids))
+            encoded += len(ids) if new else 0
+            if pos != self.start:
+                kv, new = self.place(kv, pos)
+                encoded += len(ids) if new else 0
+            parts.append((f"doc{j}", kv))
+            pos += len(ids)
+        return _Plan(parts, tail, total, encoded, n_docs, uncached)
+
+    def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
+        t0 = time.perf_counter()
+        plan = self.plan(segments, gen.max_new_tokens)
+        yield from self._decode(plan, t0, recompute, gen)
+
+    def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
+        prep = time.perf_counter() - t0
+        stream = self.pc.stream(Parts(plan.parts, plan.new_ids, preamble="prefix"), recompute=resolve_auto(recompute), params=gen)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+        item = stream.output
+        assert item is not None
+        item.ttft_s += prep  # encoding a missing document is part of this answer's wait
+        item.total_s += prep
+        cached = max(item.cached_tokens - plan.encoded, 0)
+        yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
+                           plan.documents, plan.uncached)
+
+    def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
+        """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
+        ``recompute``: a policy (:mod:`pcache_rag.recompute`), ``"auto"`` (the RAG default,
+        ``match:1``) or ``None`` (the engine's own, ``none``).
+        ``gen``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``."""
+        out = None
+        for item in self._run(segments, recompute, SamplingParams.of(**gen)):
+            if isinstance(item, CachedOutput):
+                out = item
+        assert out is not None
+        return out
+
+    def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+        """Text deltas as they are decoded, then the :class:`CachedOutput` (planned at the first item)."""
+        return self._run(segments, recompute, SamplingParams.of(**gen))
+
+    def stream_planned(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+        """:meth:`stream`, planned now: a prompt too long or unsupported is refused here, and its
+        missing documents are encoded here, before the first item is asked for."""
+        params = SamplingParams.of(**gen)
+        t0 = time.perf_counter()
+        return self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params)
+
+
+__all__ = ["Assembler", "CachedOutput"]
