@@ -137,7 +137,6 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
         from tqdm.auto import tqdm
 
         it = tqdm(prompts, desc="calibrating", unit="prompt")
-    pc = rag.pc
     for handles, question, _ in it:
         q_ids = rag.fit_question(question, handles, {"max_new_tokens": FORCED + 1})
         full_ids = rag.full_prompt_ids(question, handles)
