@@ -115,7 +115,8 @@ def _rag(a, create: bool):
 
     index = Index(a.index, create)
     budget = int(a.disk_budget * (1 << 30)) if a.disk_budget else None
-    pc = index.engine(a.model, encoding=a.encoding, store_dtype=a.store_dtype, disk_budget=budget, kv_url=a.kv_url)
+    pc = index.engine(a.model, encoding=a.encoding, store_dtype=a.store_dtype, disk_budget=budget, kv_url=a.kv_url,
+                      decode_weights=a.decode_weights)
     return CachedRAG(index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None) or "auto",
                      conditioning=a.conditioning, retrieval=getattr(a, "retrieval", "hybrid"),
@@ -433,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--encoding", choices=("isolated", "preamble"), default="preamble")
         x.add_argument("--store-dtype", choices=("float16", "int8"), default="float16",
                        help="precision of stored states: int8 (KIVI-style) takes about half the bytes")
+        x.add_argument("--decode-weights", choices=("bf16", "int8"), default=None,
+                       help="generated tokens read bf16 or int8 copies of the linear weights (prompt tokens keep "
+                            "fp32; self-checked at load): bf16 decodes ~1.7x faster than the default fp32 step")
         x.add_argument("--conditioning", default=None, metavar="SPEC",
                        help="encode chunks after neutral passages as well as the preamble: none, neutral, neutral:N (N up to 4) "
                             "(default: the index's own; for a new index, the RAG default: the learned prefix installed "

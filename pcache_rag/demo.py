@@ -47,7 +47,7 @@ def run_demo(a) -> int:
     t = time.perf_counter()
     pc = index.engine(a.model)
     print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
-          f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}")
+          f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}; decoding: {pc.core.decode_path}")
     rag = CachedRAG(index, pc=pc, k=4)
     _say_conditioning(rag)
     rep = rag.ingest([corpus])
@@ -59,8 +59,10 @@ def run_demo(a) -> int:
         full = rag.answer_full_prefill(q, handles=handles, max_new_tokens=1)
         print(f"Q: {q}\nA: {cached.text.strip()}")
         print("   sources: " + ", ".join(f"{Path(h.source).name}#{h.metadata.get('chunk')}" for h in handles))
+        out = cached.output
+        per_token = (out.total_s - out.ttft_s) / max(len(out.token_ids) - 1, 1) * 1000
         print(f"   ttft cached {cached.ttft_s * 1000:.0f} ms vs full prefill {full.ttft_s * 1000:.0f} ms "
-              f"(x{full.ttft_s / cached.ttft_s:.1f}); {cached.output.cached_tokens} tokens cached, "
-              f"{cached.output.computed_tokens} computed\n")
+              f"(x{full.ttft_s / cached.ttft_s:.1f}); {out.cached_tokens} tokens cached, "
+              f"{out.computed_tokens} computed; {len(out.token_ids)} tokens decoded at {per_token:.0f} ms a token\n")
     rag.close()
     return 0

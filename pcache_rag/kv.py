@@ -175,6 +175,12 @@ class BufferLayer(DynamicLayer):
         self.keys = self._k[:, :, :n]
         self.values = self._v[:, :, :n]
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, (n_kv_heads, capacity, head_dim) each (the fused
+        decode step writes its row at :attr:`length` and attends in place)."""
+        return self._k[0], self._v[0]
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -322,15 +328,19 @@ class RequestKV:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
-    def cache(self) -> Cache:
-        """A transformers ``Cache`` over these rows (no copy): a forward writes after ``length``;
-        read the new length back with :meth:`sync`."""
-        layers: list = []
+    def buffer_layers(self) -> list[BufferLayer]:
+        """Every layer's rows as a :class:`BufferLayer` (no copy), at ``length``."""
+        layers = []
         for i in range(self.k.shape[0]):
             layer = BufferLayer(self.k[i][None], self.v[i][None])  # (1, H, capacity, D) views
             layer.set_length(self.length)
             layers.append(layer)
-        return Cache(layers=layers)
+        return layers
+
+    def cache(self) -> Cache:
+        """A transformers ``Cache`` over these rows (no copy): a forward writes after ``length``;
+        read the new length back with :meth:`sync`."""
+        return Cache(layers=self.buffer_layers())
 
     def sync(self, cache: Cache) -> None:
         """Take the length a forward over :meth:`cache` left."""

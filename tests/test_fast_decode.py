@@ -57,6 +57,8 @@ def test_only_generated_rows_read_the_decode_weights(fast):
 
 def test_a_request_decodes_the_same_alone_and_in_a_batch(fast, smol_tok):
     pc, _ = fast
+    # alone: the fused step in the same weights (its own kernels); in a batch: the decode linears
+    assert pc.core.decode_path.startswith(f"fused {pc.decode_report.fmt} step")
     reqs = [contiguous_parts(pc, TEXTS[i:] + TEXTS[:i], q) for i, q in
             enumerate([" Which code opens it?", " What did the heron watch?", " Where are the maps?"])]
     batch = pc.generate_batch([Parts(p, n) for p, n in reqs], max_new_tokens=8)

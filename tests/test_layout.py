@@ -22,6 +22,7 @@ FOREIGN_PRIVATE = {
     "_streaming", "_context_prompt_template", "_system_prompt",  # llama_index base classes: a subclass reads its own inherited state
     "_scaled_dot_product_flash_attention_for_cpu",  # torch: the CPU flash kernel, the one that returns the log-sum-exp
     "_weight_int8pack_mm",  # torch: the weight-only int8 matmul kernel (torchao's and gpt-fast's on CPU)
+    "_reorder_linear_weight", "_linear_pointwise",  # torch: oneDNN's prepacked linear (inductor's CPU freezing path)
     "_identifier_to_system",  # chromadb: its client cache, cleared so a reopened index is read afresh
     "_sql",  # diskcache: its SQL connection, for the one consistency query it has no API for
 }

@@ -18,6 +18,7 @@ import torch
 from ..kv import ModuleKV, Workspace
 from ..models import adapter_for
 from ..models.attention import Calibration
+from ..models.decode_step import fused_step
 from ..models.fast_decode import use_decode_weights
 from ..recompute import Lexicon, Recompute
 from .decode import Decoder, SamplingParams, eos_ids
@@ -52,11 +53,13 @@ Prepare = Callable[[int], PrefillResult]
 
 class EngineCore:
     """The model side of one engine: ``model`` wrapped by its family's adapter, a workspace of
-    ``max_tokens`` rows to start with (it grows), and ``decode_weights`` (``"int8"``/``"bf16"``
-    copies of the linear weights for generated tokens, self-checked) when asked for."""
+    ``max_tokens`` rows to start with (it grows), ``decode_weights`` (``"int8"``/``"bf16"``
+    copies of the linear weights for generated tokens, self-checked) when asked for, and with
+    ``fused_decode`` the fused decode step (:mod:`~pcache_rag.models.decode_step`) in those
+    weights (fp32 without them) wherever the model allows it."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_tokens: int | None = None,
-                 decode_weights: str | None = None) -> None:
+                 decode_weights: str | None = None, fused_decode: bool = True) -> None:
         self.model = model.eval()
         self.adapter = adapter_for(model)
         self.max_positions: int = self.adapter.max_positions
@@ -77,7 +80,18 @@ class EngineCore:
                 log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
                 self.adapter.rerotatable = False
         self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
-        self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer))
+        step, self.decode_path = None, "stock transformers step (fused_decode=False)"
+        if fused_decode:
+            fmt = self.decode_report.fmt if self.decode_report is not None and self.decode_report.fmt else "fp32"
+            step, why = fused_step(model, self.adapter, tokenizer, fmt)
+            if step is not None:
+                how = "C kernels" if step.kernels == "c" else f"torch kernels: {step.kernels_why_not}"
+                #: which step decodes a stream alone, and why (a batch step is always transformers')
+                self.decode_path = f"fused {fmt} step ({how})"
+            else:
+                self.decode_path = f"stock transformers step: {why}"
+                (log.warning if decode_weights else log.info)("fused decode step refused, stock step kept: %s", why)
+        self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer), step)
         #: called with every finished generation's output
         self.listeners = Listeners()
 

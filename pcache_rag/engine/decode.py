@@ -244,12 +244,15 @@ class Decoding:
 
 
 class Decoder:
-    """Continues a prefill token by token over one cache (the engine's workspace)."""
+    """Continues a prefill token by token over one cache (the engine's workspace): through the
+    fused ``step`` (:class:`~pcache_rag.models.decode_step.FusedDecodeStep`) when there is one and
+    the stream allows it, else through the model's own forward."""
 
-    def __init__(self, adapter, tokenizer, eos: set[int]) -> None:
+    def __init__(self, adapter, tokenizer, eos: set[int], step=None) -> None:
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.eos_ids = eos
+        self.step = step
 
     def start(self, params: SamplingParams, vocab: int, t0: float) -> Decoding:
         """A fresh :class:`Decoding` for one sequence."""
@@ -264,12 +267,19 @@ class Decoder:
         next_pos = int(res.position_ids.max()) + 1
         seq = self.start(params, res.logits.shape[-1], t0)
         logits = res.logits
+        # the fused step attends to every key with plain softmax: not calibrated spans, not ALiBi or windows
+        fused = self.step if (key_pos is None and res.calibrated is None
+                              and all(hasattr(layer, "buffers") for layer in cache.layers)) else None
         while True:
             delta = seq.push(logits)
             if delta:
                 yield delta
             if seq.done:
                 break
+            if fused is not None:
+                logits = fused(seq.last, next_pos, cache.layers)
+                next_pos += 1
+                continue
             ids = torch.tensor([seq.last], dtype=torch.long, device=dev)
             pos = torch.tensor([next_pos], dtype=torch.long, device=dev)
             next_pos += 1

@@ -71,7 +71,7 @@ class PromptCache:
     def __init__(self, model: torch.nn.Module, tokenizer, encoding: Encoding = DEFAULT_ENCODING,
                  max_tokens: int | None = None, store: KVStore | None = None, cache_dir: str | None = None,
                  store_dtype: torch.dtype | str | None = torch.float16, recompute: str | Recompute = "none",
-                 kv_url: str | None = None, decode_weights: str | None = None) -> None:
+                 kv_url: str | None = None, decode_weights: str | None = None, fused_decode: bool = True) -> None:
         """Wrap a loaded causal LM.
 
         ``store``: where module states live (default: a host-memory tier, plus a
@@ -88,12 +88,14 @@ class PromptCache:
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
         ``decode_weights``: ``"int8"`` or ``"bf16"`` copies of the linear weights for generated tokens
         only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`).
+        ``fused_decode``: decode alone with the fused step (:mod:`pcache_rag.models.decode_step`) where
+        the model allows; ``core.decode_path`` says which step runs and why.
         """
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
         if store is not None and kv_url is not None:
             raise ValueError("give either store or kv_url: kv_url adds a remote tier to the default store")
-        self.core = core = EngineCore(model, tokenizer, max_tokens, decode_weights)
+        self.core = core = EngineCore(model, tokenizer, max_tokens, decode_weights, fused_decode)
         # the core's parts, under the names the engine has always had
         self.model, self.adapter, self.workspace, self.max_positions = core.model, core.adapter, core.workspace, \
             core.max_positions

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..kv import ModuleKV, RequestKV
+from ..kv import BufferLayer, ModuleKV, RequestKV
 from ..models import UnsupportedModelError
 from ..models.attention import CalibratedSpan, Positions, RaggedStep, ragged
 from ..models.fast_decode import decoding as generated_rows
@@ -108,6 +108,7 @@ class Request:
     next_pos: int = 0
     counts: tuple[int, int, int] = (0, 0, 0)  # cached, computed, recomputed tokens
     batch: int = 1  # the most sequences it shared a step with
+    rows_view: list[BufferLayer] | None = None  # its rows, for the fused step when it decodes alone
 
     def cancel(self) -> None:
         """Stop at the next step (a client that went away); its rows are freed."""
@@ -258,7 +259,7 @@ class Scheduler:
         self._live = [r for r in self._live if not r.cancelled.is_set()]
         self._filling = [r for r in self._filling if not r.cancelled.is_set()]
         for r in gone:
-            r.kv = None
+            r.kv, r.rows_view = None, None
             self.counts["cancelled"] += 1
 
     def _next(self) -> Request | None:
@@ -312,7 +313,13 @@ class Scheduler:
 
     def _forward(self) -> None:
         """One forward: a token of each running request, and the next chunks of the prompts
-        being prefilled (at most ``prefill_tokens`` of them, oldest first)."""
+        being prefilled (at most ``prefill_tokens`` of them, oldest first). A request decoding
+        alone (nothing else live or filling, no calibrated span) takes the fused decode step, as
+        it would outside the batch."""
+        if self.core.decoder.step is not None and len(self._live) == 1 and not self._filling \
+                and self._live[0].span is None:
+            self._fused(self._live[0])
+            return
         seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in self._live]  # type: ignore[union-attr]
         budget = self.prefill_tokens
         for r in self._filling:
@@ -367,6 +374,24 @@ class Scheduler:
                 self._filling.remove(r)
                 self._begin(r, logits[b])
 
+    def _fused(self, r: Request) -> None:
+        """One token of the only running request through the engine's fused decode step."""
+        kv = r.kv
+        assert kv is not None and r.seq is not None
+        if r.rows_view is None:
+            r.rows_view = kv.buffer_layers()
+        layers = r.rows_view
+        if layers[0].length != kv.length:  # the batch moved it on
+            for layer in layers:
+                layer.set_length(kv.length)
+        logits = self.core.decoder.step(r.seq.last, r.next_pos, layers)  # type: ignore[misc]
+        kv.length = layers[0].length
+        r.next_pos += 1
+        self.counts["steps"] += 1
+        self.counts["decoded"] += 1
+        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], 1)
+        self._emit(r, logits)
+
     def _begin(self, req: Request, logits: torch.Tensor) -> None:
         """The first token, from the prefill's logits; then it decodes with the others."""
         assert req.t0 is not None
@@ -383,7 +408,7 @@ class Scheduler:
         if req.seq.done:  # out of the batch before its output is seen, so stats() never lag it
             if req in self._live:
                 self._live.remove(req)
-            req.kv = None
+            req.kv, req.rows_view = None, None
             self.counts["finished"] += 1
             req.out.put(req.seq.output(*req.counts, decode_batch=req.batch))
 

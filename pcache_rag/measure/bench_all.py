@@ -640,15 +640,18 @@ def fig_decode(model_path, sz: Sizes, log) -> Figure:
     res = bench_decode(model_path, new_tokens=sz.decode_new_tokens, doc_tokens=sz.decode_doc_tokens,
                        repeats=sz.repeats, log=lambda *a: log("[decode]", *a))
     fig = Figure("decode", f"Decoding: ms a token and a whole answer ({sz.decode_new_tokens} new tokens)",
-                 ["path", "TTFT ms", "ms a token", "floor ms", "x floor", "answer s", "answer speed-up"])
+                 ["path", "TTFT ms", "ms a token", "floor ms", "x floor", "answer s", "answer speed-up",
+                  "tokens as transformers step"])
     base = res["rows"][0]["answer_s"]
     for r in res["rows"]:
+        same = f"{r['same_tokens']:.0%}" if "same_tokens" in r else ""
         fig.rows.append([r["name"], r["ttft_s"] * 1e3, r["ms_per_token"], r["floor_ms"],
-                         r["ms_per_token"] / r["floor_ms"], r["answer_s"], base / r["answer_s"]])
+                         r["ms_per_token"] / r["floor_ms"], r["answer_s"], base / r["answer_s"], same])
     fig.notes.append(f"A {res['doc_tokens']}-token document read from the cache and a question; every row decodes "
                      f"exactly {res['new_tokens']} tokens. The floor is the linear weights' bytes a token over the "
-                     f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). Decode weights are "
-                     "opt-in (PromptCache(decode_weights=...)); prompt tokens keep fp32.")
+                     f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). The fused fp32 step "
+                     "is the default (PromptCache(fused_decode=True)); bf16 and int8 decode weights are opt-in "
+                     "(PromptCache(decode_weights=...)); prompt tokens keep fp32.")
     return fig
 
 
@@ -723,7 +726,7 @@ def _plot(fig: Figure, out: Path) -> None:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("answers per second")
     elif fig.key == "decode":
-        names = [r[0].replace("pcache-rag, cached, ", "").replace(" decode weights", "") for r in fig.rows]
+        names = [r[0].replace("pcache-rag, cached, ", "").replace(" weights", "") for r in fig.rows]
         xs = range(len(names))
         ax.bar([x - 0.2 for x in xs], [r[2] for r in fig.rows], width=0.4, label="ms a token")
         ax.bar([x + 0.2 for x in xs], [r[3] for r in fig.rows], width=0.4, label="weight-streaming floor")

@@ -5,14 +5,17 @@ each a median of ``repeats`` runs in one process:
 
 * stock transformers ``generate`` on the same prompt's text (fp32, full prefill, its own
   cache): the baseline a newcomer would otherwise get;
-* the cached path with the model's fp32 weights, and with each decode-weight format
-  (:mod:`pcache_rag.models.fast_decode`), on a fresh copy of the model each;
+* the cached path decoding through transformers' own forward (``fused_decode=False``: the
+  step every answer took before the fused step);
+* the cached path with the fused decode step (:mod:`pcache_rag.models.decode_step`, the
+  default) in fp32, and with each smaller decode-weight format, on a fresh copy of the model each;
 
 and reports, for each: time-to-first-token, milliseconds a generated token, and the whole
 answer (TTFT + ``new_tokens`` tokens), beside the **weight-streaming floor** of its format:
 the bytes of linear weights one token reads, over this machine's read bandwidth measured in
 the same run (a sum over a tensor of the fp32 weights' size). Every row decodes exactly
-``new_tokens`` tokens (end tokens are not honoured while timing).
+``new_tokens`` tokens (end tokens are not honoured while timing), and every row's greedy
+tokens are compared with the stock step's (``same_tokens``).
 """
 
 from __future__ import annotations
@@ -67,12 +70,16 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
                                                             max_new_tokens=new_tokens, **gen))
                                   for _ in range(repeats))
     rows.append(_row("transformers generate (fp32, full prefill)", ttft, whole, new_tokens, linear_bytes, bw))
-    for fmt in (None, *formats):
+    stock_tokens: list[int] | None = None
+    for fmt, fused in ((None, False), (None, True), *((f, True) for f in formats)):
         mm, _ = load_model(model)
-        pc = PromptCache(mm, tok, decode_weights=fmt)
+        pc = PromptCache(mm, tok, decode_weights=fmt, fused_decode=fused)
         rep = pc.decode_report
         if fmt is not None and (rep is None or rep.fmt != fmt):
             log(f"{fmt}: refused ({rep.refused if rep else 'no report'})")
+            continue
+        if fused and not pc.core.decode_path.startswith("fused"):
+            log(f"{fmt or 'fp32'} fused step: refused ({pc.core.decode_path})")
             continue
         pc.eos_ids = set()  # every row decodes exactly new_tokens tokens
         asm = Assembler(pc, conditioning="none")
@@ -82,14 +89,24 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         ttft = statistics.median(o.ttft_s for o in outs)
         whole = statistics.median(o.total_s for o in outs)
         nbytes = linear_bytes if fmt is None else rep.small_bytes  # type: ignore[union-attr]
-        rows.append(_row(f"pcache-rag, cached, {fmt or 'fp32'} decode weights", ttft, whole, new_tokens, nbytes, bw))
+        label = (f"pcache-rag, cached, fused step, {fmt or 'fp32'} weights" if fused
+                 else "pcache-rag, cached, transformers step, fp32 weights")
+        if stock_tokens is None:
+            stock_tokens = outs[0].token_ids
+        row = _row(label, ttft, whole, new_tokens, nbytes, bw)
+        row["same_tokens"] = sum(a == b for a, b in zip(outs[0].token_ids, stock_tokens)) / max(len(stock_tokens), 1)
+        row["decode_path"] = pc.core.decode_path
+        rows.append(row)
     base = rows[0]
     log(f"decode, one run: a {doc_tokens}-token document ({name}) and a question; {new_tokens} new tokens; "
         f"medians of {repeats}; read bandwidth {bw / 1e9:.1f} GB/s")
-    log(f"{'':52} {'TTFT':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'answer':>8} {'vs stock':>9}")
+    log(f"{'':56} {'TTFT':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'answer':>8} {'vs stock':>9} "
+        f"{'same tokens':>12}")
     for r in rows:
-        log(f"{r['name']:52} {r['ttft_s'] * 1e3:7.0f}ms {r['ms_per_token']:9.1f} {r['floor_ms']:7.1f} "
-            f"{r['ms_per_token'] / r['floor_ms']:8.1f} {r['answer_s']:7.2f}s {base['answer_s'] / r['answer_s']:8.1f}x")
+        same = f"{r['same_tokens']:.0%}" if "same_tokens" in r else ""
+        log(f"{r['name']:56} {r['ttft_s'] * 1e3:7.0f}ms {r['ms_per_token']:9.1f} {r['floor_ms']:7.1f} "
+            f"{r['ms_per_token'] / r['floor_ms']:8.1f} {r['answer_s']:7.2f}s {base['answer_s'] / r['answer_s']:8.1f}x "
+            f"{same:>12}")
     return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows}
 
 

@@ -1,6 +1,8 @@
 """Decode-step linear layers in fewer bytes: the generated tokens' projections read int8 or
 bf16 copies of the weights, while every prompt token (prefill, encoding, recompute) keeps the
-model's own fp32 weights.
+model's own fp32 weights. These layers serve the steps that run through the model's own
+forward (a continuous batch of several sequences, models the fused step does not compute);
+a stream decoding alone takes :mod:`.decode_step` in the same format, with the same rounding.
 
 Why: on a CPU a decode step is one token, so each linear layer is a matrix-vector product
 whose time is the time to stream its weights from memory. The embedded 135M model streams
