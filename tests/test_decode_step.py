@@ -208,3 +208,16 @@ def test_the_portable_kernels_compute_the_same(smol_tok, monkeypatch, tmp_path):
     for fmt in ("fp32", "bf16", "int8"):
         step, why = fused_step(model, adapter_for(model), smol_tok, fmt)
         assert why == "" and step is not None and step.kernels == "c"
+
+
+def test_a_second_engine_on_the_model_decodes_with_its_decode_weights(smol_tok):
+    """The eval and a server build several engines over one model: the decode weights an earlier
+    one installed stay in force in the fused step of the next."""
+    model = tiny_model("llama", len(smol_tok), seed=7)
+    first = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
+    second = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
+    assert first.core.decode_path.startswith("fused bf16") and second.core.decode_path.startswith("fused bf16")
+    again = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
+    assert again.decode_report.fmt == "bf16"
+    other = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="int8")
+    assert other.decode_report.fmt is None and "already carry bf16" in other.decode_report.refused

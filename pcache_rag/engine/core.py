@@ -19,7 +19,7 @@ from ..kv import ModuleKV, Workspace
 from ..models import adapter_for
 from ..models.attention import Calibration
 from ..models.decode_step import fused_step
-from ..models.fast_decode import use_decode_weights
+from ..models.fast_decode import installed_format, use_decode_weights
 from ..recompute import Lexicon, Recompute
 from .decode import Decoder, SamplingParams, eos_ids
 from .listeners import Listeners
@@ -82,7 +82,9 @@ class EngineCore:
         self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
         step, self.decode_path = None, "stock transformers step (fused_decode=False)"
         if fused_decode:
-            fmt = self.decode_report.fmt if self.decode_report is not None and self.decode_report.fmt else "fp32"
+            # the format asked for, or one an earlier engine gave this model's layers (the batch step reads it)
+            fmt = (self.decode_report.fmt if self.decode_report is not None and self.decode_report.fmt
+                   else installed_format(model) or "fp32")
             step, why = fused_step(model, self.adapter, tokenizer, fmt)
             if step is not None:
                 how = "C kernels" if step.kernels == "c" else f"torch kernels: {step.kernels_why_not}"

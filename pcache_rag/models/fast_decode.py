@@ -114,6 +114,12 @@ class DecodeWeightsReport:
     refused: str = ""
 
 
+def installed_format(model: torch.nn.Module) -> str | None:
+    """The decode-weight format already given to ``model``'s layers (by an earlier
+    :func:`use_decode_weights`), or None."""
+    return next((m.fmt for m in model.modules() if isinstance(m, DecodeLinear)), None)
+
+
 def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """Every ``nn.Linear`` of the model as ``(parent, attribute, layer)``."""
     out = []
@@ -133,6 +139,10 @@ def use_decode_weights(model: torch.nn.Module, fmt: str, tokenizer) -> DecodeWei
     if fmt not in DECODE_WEIGHTS:
         raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS} or None, not {fmt!r}")
     found = _linears(model)
+    if (have := installed_format(model)) is not None:
+        if have == fmt:
+            return DecodeWeightsReport(fmt, refused="")  # an earlier engine gave the model these very layers
+        return DecodeWeightsReport(None, refused=f"the model's layers already carry {have} decode weights")
     if not found:
         return DecodeWeightsReport(None, refused="the model has no nn.Linear layers to replace")
     w = found[0][2].weight
@@ -173,4 +183,5 @@ def use_decode_weights(model: torch.nn.Module, fmt: str, tokenizer) -> DecodeWei
     return DecodeWeightsReport(fmt, len(swapped), fp32_bytes, small, err)
 
 
-__all__ = ["DECODE_WEIGHTS", "DecodeLinear", "DecodeWeightsReport", "decoding", "use_decode_weights"]
+__all__ = ["DECODE_WEIGHTS", "DecodeLinear", "DecodeWeightsReport", "decoding", "installed_format",
+           "use_decode_weights"]
