@@ -221,3 +221,12 @@ def test_a_second_engine_on_the_model_decodes_with_its_decode_weights(smol_tok):
     assert again.decode_report.fmt == "bf16"
     other = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="int8")
     assert other.decode_report.fmt is None and "already carry bf16" in other.decode_report.refused
+
+
+def test_engines_over_one_model_share_the_step_weights(smol_tok):
+    model = tiny_model("llama", len(smol_tok), seed=7)
+    a = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
+    b = PromptCache(model, smol_tok, encoding="preamble", store_dtype=None)
+    sa, sb = a.core.decoder.step, b.core.decoder.step
+    assert sa is not sb and sa.layers is sb.layers and sa.head is sb.head, "weights shared, scratch not"
+    assert sa._h is not sb._h

@@ -34,6 +34,7 @@ attention, windows and ALiBi decode through the model's forward
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,11 @@ STEP_FORMATS = ("fp32", "bf16", "int8")
 MAX_ERROR = {"fp32": 1e-3, "bf16": 0.05, "int8": 0.05}
 #: the self-check's prompt
 CHECK_TEXT = "The ferry leaves the harbour at dawn, and the archive opens at nine."
+
+
+#: each model's laid-out step weights, by (format, kernels): built once, shared by its engines
+#: (weights changed in place after that are not seen: build a new model object instead)
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class UnsupportedStep(ValueError):
@@ -200,14 +206,20 @@ class FusedDecodeStep:
         if lib is not None:
             self.kernels = "c"
         self._lib: Any = lib
-        self.layers: list[_Layer] = []
-        for a, m, n1, n2, qn, kn in found:
-            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, hidden)
-            gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 inter, hidden)
-            self.layers.append(_Layer(Matvec(qkv, _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, lib),
-                                      Matvec(a.o_proj.weight, None, fmt, lib), Matvec(gu, None, fmt, lib),
-                                      Matvec(m.down_proj.weight, None, fmt, lib), n1, n2, qn, kn))
-        self.head = Matvec(model.lm_head.weight, model.lm_head.bias, fmt, lib)
+        # the laid-out weights hold no state: every engine over this model shares one set a format
+        shared = _SHARED.setdefault(model, {})
+        key = (fmt, self.kernels)
+        if key not in shared:
+            layers = []
+            for a, m, n1, n2, qn, kn in found:
+                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, hidden)
+                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 inter, hidden)
+                layers.append(_Layer(Matvec(qkv, _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, lib),
+                                     Matvec(a.o_proj.weight, None, fmt, lib), Matvec(gu, None, fmt, lib),
+                                     Matvec(m.down_proj.weight, None, fmt, lib), n1, n2, qn, kn))
+            shared[key] = (layers, Matvec(model.lm_head.weight, model.lm_head.bias, fmt, lib))
+        self.layers: list[_Layer] = shared[key][0]
+        self.head: Matvec = shared[key][1]
 
         dt, dev = torch.float32, self.embed.device
         # the step's scratch, reused every token (one decode at a time: the engine lock)

@@ -13,6 +13,7 @@
  * plain C, correct and slower.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
@@ -46,12 +47,6 @@ static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to e
     u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
     memcpy(&f, &u, 4);
     return f;
-}
-
-/* out[K] = x[K] rounded to bfloat16 precision (the input the bf16 and int8 products read, as
- * the batch path's torch kernels do). */
-void pc_round_bf16(const float* x, float* out, int64_t K) {
-    for (int64_t k = 0; k < K; k++) out[k] = round_bf16(x[k]);
 }
 
 /* The matrix-vector products: y[N] = W[N, K] . x[K] (+ bias[N]), added to y when ``add``
@@ -90,23 +85,40 @@ static inline float dot_int8(const int8_t* w, const float* x, int64_t K) {
 #endif
 }
 
+/* x rounded to bfloat16 precision, as the batch path's torch kernels read it: into ``buf``
+ * when K fits, else into a fresh allocation (the caller frees what differs from buf). */
+static float* rounded(const float* x, int64_t K, float* buf, int64_t cap) {
+    float* out = K <= cap ? buf : (float*)malloc(sizeof(float) * K);
+    if (out) for (int64_t k = 0; k < K; k++) out[k] = round_bf16(x[k]);
+    return out;
+}
+#define PC_ROUND_CAP 8192
+
 /* W in bfloat16. */
 void pc_gemv_bf16(const uint16_t* W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int add) {
+    float buf[PC_ROUND_CAP];
+    float* xr = rounded(x, K, buf, PC_ROUND_CAP);
+    if (!xr) return;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float v = round_bf16(dot_bf16(W + n * K, x, K));
+        float v = round_bf16(dot_bf16(W + n * K, xr, K));
         PC_STORE(y, n, v);
     }
+    if (xr != buf) free(xr);
 }
 
 /* W int8 with one scale a row: y[n] = (W[n] . x) * scale[n]. */
 void pc_gemv_int8(const int8_t* W, const float* scale, const float* x, float* y, const float* bias, int64_t N,
                   int64_t K, int add) {
+    float buf[PC_ROUND_CAP];
+    float* xr = rounded(x, K, buf, PC_ROUND_CAP);
+    if (!xr) return;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float v = round_bf16(dot_int8(W + n * K, x, K) * scale[n]);
+        float v = round_bf16(dot_int8(W + n * K, xr, K) * scale[n]);
         PC_STORE(y, n, v);
     }
+    if (xr != buf) free(xr);
 }
 
 /* W float32. */

@@ -100,9 +100,8 @@ def load() -> ctypes.CDLL | None:
         lib.pc_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, i64]
         lib.pc_rmsnorm.argtypes = [vp, vp, vp, i64, f32]
         lib.pc_silu_mul.argtypes = [vp, vp, i64]
-        lib.pc_round_bf16.argtypes = [vp, vp, i64]
         for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_scores, lib.pc_weighted_sum,
-                  lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write, lib.pc_round_bf16):
+                  lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write):
             f.restype = None
         _lib = lib
         return lib
@@ -123,7 +122,8 @@ def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
 class Gemv:
     """One weight matrix (N, K) for :func:`pc_gemv_*`: ``fmt`` ``"fp32"``, ``"bf16"`` or
     ``"int8"`` (symmetric, one scale per row). ``gemv(x, y)`` writes ``W x (+ bias)`` into
-    ``y`` (N,) and returns it (``add=True``: adds it to ``y``); ``x`` (K,) float32."""
+    ``y`` (N,) and returns it (``add=True``: adds it to ``y``); ``x`` (K,) float32 (bf16 and
+    int8 read it rounded to bf16). It holds no scratch: engines over one model share it."""
 
     def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, bias: torch.Tensor | None, fmt: str,
                  scale: torch.Tensor | None = None) -> None:
@@ -139,9 +139,6 @@ class Gemv:
         if fmt == "int8" and self._s is None:
             raise ValueError("int8 weights need their row scales")
         self._f = {"fp32": lib.pc_gemv_f32, "bf16": lib.pc_gemv_bf16, "int8": lib.pc_gemv_int8}[fmt]
-        # bf16 and int8 read x rounded to bf16, as the batch path's torch kernels do
-        self._round = lib.pc_round_bf16 if fmt != "fp32" else None
-        self._xr = torch.empty(self.K) if fmt != "fp32" else None
 
     @property
     def nbytes(self) -> int:
@@ -153,10 +150,6 @@ class Gemv:
 
     def raw(self, xp: int, yp: int, add: bool = False) -> None:
         """The product on addresses the caller has checked (buffers it allocated for K and N)."""
-        if self._round is not None:
-            xr = self._xr.data_ptr()  # type: ignore[union-attr]
-            self._round(xp, xr, self.K)
-            xp = xr
         if self._s is not None:
             self._f(self._w, self._s, xp, yp, self._b, self.N, self.K, int(add))
         else:
