@@ -69,6 +69,7 @@ class EngineCore:
                                    self.adapter.device, cap)
         #: serializes the workspace: one prefill or decode step at a time
         self.lock = EngineLock()
+        decode_weights = None if decode_weights == "fp32" else decode_weights  # "fp32": the model's own
         #: what ``decode_weights`` did (None: not asked for)
         self.decode_report = None if decode_weights is None else use_decode_weights(model, decode_weights, tokenizer)
         if getattr(self.adapter, "rerotatable", False):

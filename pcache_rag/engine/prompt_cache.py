@@ -78,16 +78,16 @@ class PromptCache:
         disk tier in ``cache_dir`` when given, plus a device tier on CUDA, plus a
         remote tier shared through the Redis/Valkey server at ``kv_url``, such as
         ``"redis://host:6379/0"``, when given).
-        ``store_dtype``: precision of stored states (fp16 by default, as the
-        paper; ``None`` keeps the model's dtype; ``"int8"`` or ``torch.int8``
-        quantizes as KIVI does, about half of fp16); they are converted to the
-        model's dtype while being copied into the workspace.
+        ``store_dtype``: precision of stored states (fp16 by default, as the paper; ``None`` keeps the
+        model's dtype; ``"int8"`` or ``torch.int8`` quantizes as KIVI does, about half of fp16);
+        they are converted to the model's dtype while being copied into the workspace.
         ``max_tokens``: initial workspace capacity (it grows on demand).
         ``recompute``: the default policy for prompts that assemble several units
         (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"match:N"``, ``"all"``);
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
         ``decode_weights``: ``"int8"`` or ``"bf16"`` copies of the linear weights for generated tokens
-        only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`).
+        only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`); None or
+        ``"fp32"``: the model's own.
         ``fused_decode``: decode alone with the fused step (:mod:`pcache_rag.models.decode_step`) where
         the model allows; ``core.decode_path`` says which step runs and why.
         """

@@ -527,7 +527,7 @@ def fig_encoding(model, tok, sz: Sizes, device, workdir: Path, log) -> tuple[Fig
     for i in range(sz.ingest_files):
         (corpus / f"doc-{i:03d}.txt").write_text(fill.passage(60_000 + i))
     index = Index(workdir / "ingest-index")
-    ipc = index.engine(model, tok)
+    ipc = index.engine(model, tok, decode_weights="fp32")  # the model is shared with the other figures: keep it fp32
     rag = CachedRAG(index, pc=ipc, chunk_tokens=sz.doc_tokens)
     t0 = time.perf_counter()
     rep = rag.ingest([corpus], progress=False)
@@ -650,8 +650,8 @@ def fig_decode(model_path, sz: Sizes, log) -> Figure:
     fig.notes.append(f"A {res['doc_tokens']}-token document read from the cache and a question; every row decodes "
                      f"exactly {res['new_tokens']} tokens. The floor is the linear weights' bytes a token over the "
                      f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). The fused fp32 step "
-                     "is the default (PromptCache(fused_decode=True)); bf16 and int8 decode weights are opt-in "
-                     "(PromptCache(decode_weights=...)); prompt tokens keep fp32.")
+                     "is PromptCache's default; bf16 decode weights are the RAG stack's default (Index.engine, "
+                     "the CLI, the connectors), int8 is opt-in; prompt tokens keep fp32.")
     return fig
 
 

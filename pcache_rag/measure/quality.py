@@ -528,6 +528,7 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
              encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None):
     """An ingested corpus of planted-fact files (one per question, plus plain files), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
+    from ..models.fast_decode import installed_format
     from ..rag import CachedRAG, Index
 
     qs, files, corpus = rag_corpus(tok, workdir, n, doc_tokens, seed, split)
@@ -538,7 +539,9 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
         if enc == "cond:learned":  # the index keeps its own copy, as `calibrate --learn` leaves it
             cond = prefix
         index = Index(folder)
-        pc = index.engine(model, tok, encoding="isolated" if enc == "isolated" else "preamble")
+        # the decode weights of the whole run (run_eval's --decode-weights, else fp32), not the RAG default
+        pc = index.engine(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
+                          decode_weights=installed_format(model) or "fp32")
         rag = CachedRAG(index, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
                         retrieval=retrieval)
         rag.ingest([corpus], progress=False)
@@ -621,7 +624,7 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
         qs, files, corpus = rag_corpus(tok, wd, n, doc_tokens, seed, split)
         out["inputs"] = inputs_hash(qs, files)
         index = Index(wd / "index")
-        pc = index.engine(model, tok)
+        pc = index.engine(model, tok, decode_weights="fp32")  # retrieval only: nothing is decoded
         rag = CachedRAG(index, pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
         rag.ingest([corpus], progress=False, encode="lazy")
         for mode in ("dense", "hybrid"):
