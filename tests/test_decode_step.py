@@ -230,3 +230,31 @@ def test_engines_over_one_model_share_the_step_weights(smol_tok):
     sa, sb = a.core.decoder.step, b.core.decoder.step
     assert sa is not sb and sa.layers is sb.layers and sa.head is sb.head, "weights shared, scratch not"
     assert sa._h is not sb._h
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_the_batch_steps_decode_weights_are_the_fused_steps(fmt, smol_tok):
+    """One small copy of the weights, not two: the batch step's decode layers read the fused
+    step's rows, and a batch decodes as it does over layers that kept their own copies."""
+    from pcache_rag.models.fast_decode import DecodeLinear
+
+    shared = tiny_model("llama", len(smol_tok), seed=7)
+    pc = PromptCache(shared, smol_tok, encoding="isolated", store_dtype=None, decode_weights=fmt)
+    assert pc.core.decode_path.startswith(f"fused {fmt}")
+    step = pc.core.decoder.step
+    q = shared.model.layers[0].self_attn.q_proj
+    assert isinstance(q, DecodeLinear)
+    assert q._q.untyped_storage().data_ptr() == step.layers[0].qkv.w.untyped_storage().data_ptr()
+    down = shared.model.layers[-1].mlp.down_proj
+    assert down._q.data_ptr() == step.layers[-1].down.w.data_ptr()
+    own = tiny_model("llama", len(smol_tok), seed=7)
+    ref = PromptCache(own, smol_tok, encoding="isolated", store_dtype=None, decode_weights=fmt, fused_decode=False)
+    assert own.model.layers[0].self_attn.q_proj._q.untyped_storage().data_ptr() != \
+        step.layers[0].qkv.w.untyped_storage().data_ptr()
+    outs = []
+    for eng in (pc, ref):
+        eng.eos_ids = set()
+        reqs = [Parts(*contiguous_parts(eng, TEXTS, " Which code opens the door?")),
+                Parts(*contiguous_parts(eng, TEXTS[::-1], " What did the heron watch?"))]
+        outs.append([o.token_ids for o in eng.generate_batch(reqs, max_new_tokens=8)])
+    assert outs[0] == outs[1]

@@ -368,9 +368,44 @@ def fused_step(model: Any, adapter, tokenizer, fmt: str = "fp32") -> tuple[Fused
         err = step.check(model, adapter, tokenizer)
     except UnsupportedStep as e:
         return None, str(e)
-    log.info("fused %s decode step: %d layers, %.0f MB of weights a token, self-check error %.2e",
-             fmt, len(step.layers), step.nbytes / 1e6, err)
+    saved = share_decode_copies(model, step)
+    log.info("fused %s decode step: %d layers, %.0f MB of weights a token, self-check error %.2e, %.0f MB of the "
+             "batch step's decode weights shared with it", fmt, len(step.layers), step.nbytes / 1e6, err, saved / 1e6)
     return step, ""
 
 
-__all__ = ["STEP_FORMATS", "FusedDecodeStep", "Matvec", "UnsupportedStep", "fused_step"]
+def share_decode_copies(model: Any, step: FusedDecodeStep) -> int:
+    """Point the batch step's decode weights (the :class:`~pcache_rag.models.fast_decode.DecodeLinear`
+    copies an engine's ``decode_weights`` gave the model) at the fused step's row-major copies of
+    the same values, so the model holds one bf16 (or int8) copy of its weights, not two; returns
+    the bytes freed. Each layer's rows are compared first, and a layer whose rows differ, or
+    whose step weights are prepacked for oneDNN, keeps its own."""
+    from .fast_decode import DecodeLinear
+
+    def adopt(mods: list, mv: Matvec) -> int:
+        if mv.packed or mv.fmt == "fp32" or not all(isinstance(x, DecodeLinear) and x.fmt == mv.fmt for x in mods):
+            return 0
+        views, r = [], 0
+        for x in mods:  # q|k|v (or gate|up) are consecutive rows of the fused matrix (N, K)
+            w = mv.w[r : r + x.out_features]
+            s = None if mv.scale is None else mv.scale[r : r + x.out_features]
+            if w.shape != x._q.shape or not torch.equal(w, x._q) or (s is not None and not torch.equal(s, x._scale)):
+                return 0
+            views.append((w, s))
+            r += x.out_features
+        freed = 0
+        for x, (w, s) in zip(mods, views):
+            if x._q.data_ptr() != w.data_ptr():
+                freed += x._q.numel() * x._q.element_size()
+                x._q, x._scale = w, (s if s is not None else x._scale)
+        return freed
+
+    freed = 0
+    for layer, lay in zip(model.model.layers, step.layers):
+        a, m = layer.self_attn, layer.mlp
+        freed += adopt([a.q_proj, a.k_proj, a.v_proj], lay.qkv) + adopt([a.o_proj], lay.o)
+        freed += adopt([m.gate_proj, m.up_proj], lay.gate_up) + adopt([m.down_proj], lay.down)
+    return freed + adopt([model.lm_head], step.head)
+
+
+__all__ = ["STEP_FORMATS", "FusedDecodeStep", "Matvec", "UnsupportedStep", "fused_step", "share_decode_copies"]
