@@ -169,26 +169,64 @@ def test_kernels_refuse_buffers_they_cannot_read():
         att.check(good, 11)
 
 
-def test_a_request_alone_in_the_batch_takes_the_fused_step(smol_tok):
+def test_requests_in_the_batch_take_the_fused_step(smol_tok):
+    """Alone in the batch, or several decoding together with nothing filling: the fused step
+    (its many-sequence form for several), each request to the same tokens as decoded alone."""
     model = tiny_model("llama", len(smol_tok), seed=7)
     pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None)
     pc.eos_ids = set()
     parts, q = contiguous_parts(pc, TEXTS, " Which code opens the door?")
     other = contiguous_parts(pc, TEXTS[::-1], " What did the heron watch?")
     solo = [pc.generate(Parts(p, n), max_new_tokens=10).token_ids for p, n in ((parts, q), other)]
-    calls = []
-    real = pc.core.decoder.step
-    pc.core.decoder.step = lambda *a: calls.append(a[1]) or real(*a)
+    step = pc.core.decoder.step
+    assert step.kernels == "c", step.kernels_why_not
+    calls: list[int] = []
+    real_call, real_many = type(step).__call__, type(step).many
+
+    class Counting(type(step)):  # the engine's step, counting the sequences of each call
+        def __call__(self, *a):
+            calls.append(1)
+            return real_call(self, *a)
+
+        def many(self, tokens, *a):
+            calls.append(len(tokens))
+            return real_many(self, tokens, *a)
+
+    step.__class__ = Counting
     pc.start_batching(max_batch=4)
     try:
         one = pc.generate(Parts(parts, q), max_new_tokens=10)
     finally:
         pc.stop_batching()
-    assert one.token_ids == solo[0] and len(calls) == 9, "alone in the batch: every token after the first fused"
+    assert one.token_ids == solo[0] and calls == [1] * 9, "alone in the batch: every token after the first fused"
     calls.clear()
     both = pc.generate_batch([Parts(parts, q), Parts(*other)], max_new_tokens=10)
-    assert [b.token_ids for b in both] == solo and calls == [], "together: one ragged step for both"
+    assert [b.token_ids for b in both] == solo
+    assert calls and set(calls) <= {1, 2} and 2 in calls, "together: one fused step for both"
     assert all(b.decode_batch == 2 for b in both)
+
+
+def test_many_sequences_compute_each_as_alone(smol_tok):
+    """:meth:`FusedDecodeStep.many` against :meth:`__call__`: the same logits, bit for bit, in every format."""
+    model = tiny_model("qwen2", len(smol_tok), seed=3)
+    ids = [torch.tensor(smol_tok(t)["input_ids"]) for t in TEXTS + [" Short."]]
+    for fmt in ("fp32", "bf16", "int8"):
+        step, why = fused_step(model, adapter_for(model), smol_tok, fmt)
+        assert step is not None and step.kernels == "c", why or step.kernels_why_not
+        alone, together = [_prefilled(model, i, 8) for i in ids], [_prefilled(model, i, 8) for i in ids]
+        want = []
+        for (_, cache, logits), i in zip(alone, ids):
+            tok, pos = int(logits.argmax()), i.numel()
+            for _ in range(6):
+                out = step(tok, pos, cache.layers)
+                tok, pos = int(out.argmax()), pos + 1
+            want.append(out.clone())
+        toks, poss = [int(lg.argmax()) for _, _, lg in together], [i.numel() for i in ids]
+        for _ in range(6):
+            out = step.many(toks, poss, [c.layers for _, c, _ in together])
+            toks, poss = [int(r.argmax()) for r in out], [p + 1 for p in poss]
+        assert all(torch.equal(w, g) for w, g in zip(want, out)), fmt
+        assert [c.layers[0].length for _, c, _ in together] == [c.layers[0].length for _, c, _ in alone]
 
 
 def test_the_portable_kernels_compute_the_same(smol_tok, monkeypatch, tmp_path):
@@ -205,9 +243,15 @@ def test_the_portable_kernels_compute_the_same(smol_tok, monkeypatch, tmp_path):
     assert lib is not None, kernels.why_not()
     assert list((tmp_path / "kernels").glob("*.so")), "built under PCACHE_RAG_HOME"
     model = tiny_model("qwen2", len(smol_tok), seed=7)
+    ids = [torch.tensor(smol_tok(t)["input_ids"]) for t in TEXTS]
     for fmt in ("fp32", "bf16", "int8"):
         step, why = fused_step(model, adapter_for(model), smol_tok, fmt)
         assert why == "" and step is not None and step.kernels == "c"
+        alone = [step(int(lg.argmax()), i.numel(), c.layers).clone()
+                 for (_, c, lg), i in zip([_prefilled(model, i, 2) for i in ids], ids)]
+        pair = [_prefilled(model, i, 2) for i in ids]
+        both = step.many([int(lg.argmax()) for _, _, lg in pair], [i.numel() for i in ids], [c.layers for _, c, _ in pair])
+        assert all(torch.equal(a, b) for a, b in zip(alone, both)), fmt
 
 
 def test_a_second_engine_on_the_model_decodes_with_its_decode_weights(smol_tok):

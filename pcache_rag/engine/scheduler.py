@@ -7,7 +7,11 @@ every request that decodes, plus chunks of the prompts being prefilled, up to a 
 budget (chunked prefill: a long prompt cannot stall the streams already running). Every
 sequence attends to its own rows only (:class:`~pcache_rag.models.attention.RaggedStep`);
 the projections and MLPs run over all tokens at once. Decoding on a CPU is bound by
-reading the weights, which the step reads once for everyone.
+reading the weights, which the step reads once for everyone. While no prompt is being
+prefilled, the running requests' tokens take the engine's fused decode step instead
+(:meth:`~pcache_rag.models.decode_step.FusedDecodeStep.many` on the C kernels, or its one-token
+form for a request alone): the weights are still read once a step, and every request's logits
+are the bits it would get decoding alone.
 
 A prompt that needs more than its new tokens computed over its cache (recomputed context
 rows, PML parameters) is prefilled by the engine's own prefill in the workspace, then its
@@ -108,7 +112,7 @@ class Request:
     next_pos: int = 0
     counts: tuple[int, int, int] = (0, 0, 0)  # cached, computed, recomputed tokens
     batch: int = 1  # the most sequences it shared a step with
-    rows_view: list[BufferLayer] | None = None  # its rows, for the fused step when it decodes alone
+    rows_view: list[BufferLayer] | None = None  # its rows, for the fused step
 
     def cancel(self) -> None:
         """Stop at the next step (a client that went away); its rows are freed."""
@@ -315,10 +319,12 @@ class Scheduler:
         """One forward: a token of each running request, and the next chunks of the prompts
         being prefilled (at most ``prefill_tokens`` of them, oldest first). A request decoding
         alone (nothing else live or filling, no calibrated span) takes the fused decode step, as
-        it would outside the batch."""
-        if self.core.decoder.step is not None and len(self._live) == 1 and not self._filling \
-                and self._live[0].span is None:
-            self._fused(self._live[0])
+        it would outside the batch; several decoding together (nothing filling) take its
+        many-sequence form on the C kernels, each to the same bits as alone."""
+        step = self.core.decoder.step
+        if step is not None and self._live and not self._filling and all(r.span is None for r in self._live) \
+                and (len(self._live) == 1 or step.kernels == "c"):
+            self._fused(self._live)
             return
         seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in self._live]  # type: ignore[union-attr]
         budget = self.prefill_tokens
@@ -374,23 +380,30 @@ class Scheduler:
                 self._filling.remove(r)
                 self._begin(r, logits[b])
 
-    def _fused(self, r: Request) -> None:
-        """One token of the only running request through the engine's fused decode step."""
-        kv = r.kv
-        assert kv is not None and r.seq is not None
-        if r.rows_view is None:
-            r.rows_view = kv.buffer_layers()
-        layers = r.rows_view
-        if layers[0].length != kv.length:  # the batch moved it on
-            for layer in layers:
-                layer.set_length(kv.length)
-        logits = self.core.decoder.step(r.seq.last, r.next_pos, layers)  # type: ignore[misc]
-        kv.length = layers[0].length
-        r.next_pos += 1
+    def _fused(self, reqs: list[Request]) -> None:
+        """One token of each running request through the engine's fused decode step."""
+        for r in reqs:
+            assert r.kv is not None and r.seq is not None
+            if r.rows_view is None:
+                r.rows_view = r.kv.buffer_layers()
+            if r.rows_view[0].length != r.kv.length:  # the batch moved it on
+                for layer in r.rows_view:
+                    layer.set_length(r.kv.length)
+        step = self.core.decoder.step
+        assert step is not None
+        if len(reqs) == 1:
+            logits = step(reqs[0].seq.last, reqs[0].next_pos, reqs[0].rows_view)[None]  # type: ignore[union-attr]
+        else:
+            logits = step.many([r.seq.last for r in reqs], [r.next_pos for r in reqs],  # type: ignore[union-attr]
+                               [r.rows_view for r in reqs])
         self.counts["steps"] += 1
-        self.counts["decoded"] += 1
-        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], 1)
-        self._emit(r, logits)
+        self.counts["decoded"] += len(reqs)
+        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], len(reqs))
+        for r, row in zip(list(reqs), logits):
+            r.kv.length = r.rows_view[0].length  # type: ignore[union-attr,index]
+            r.next_pos += 1
+            r.batch = max(r.batch, len(reqs))
+            self._emit(r, row)
 
     def _begin(self, req: Request, logits: torch.Tensor) -> None:
         """The first token, from the prefill's logits; then it decodes with the others."""

@@ -16,6 +16,11 @@ the bytes of linear weights one token reads, over this machine's read bandwidth 
 the same run (a sum over a tensor of the fp32 weights' size). Every row decodes exactly
 ``new_tokens`` tokens (end tokens are not honoured while timing), and every row's greedy
 tokens are compared with the stock step's (``same_tokens``).
+
+Then each cached row decodes ``together`` answers at once (:meth:`PromptCache.generate_batch`,
+the continuous batch a server runs: the fused step's many-sequence form, or transformers' ragged
+forward without it): milliseconds a step (every answer's next token), tokens a second over all
+answers, and how many answers equal the same question's answer decoded alone.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
 
 
 def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc_tokens: int = 1000,
-                 repeats: int = 3, log=print) -> dict:
+                 repeats: int = 3, together=(4, 8), log=print) -> dict:
     """The rows described in the module docstring, as a dict (also logged as a table)."""
     from ..default_model import load_model
     from ..engine import PromptCache
@@ -96,6 +101,8 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         row = _row(label, ttft, whole, new_tokens, nbytes, bw)
         row["same_tokens"] = sum(a == b for a, b in zip(outs[0].token_ids, stock_tokens)) / max(len(stock_tokens), 1)
         row["decode_path"] = pc.core.decode_path
+        row["together"] = _together(pc, tok, tok(doc, add_special_tokens=False)["input_ids"], together, new_tokens,
+                                    repeats)
         rows.append(row)
     base = rows[0]
     log(f"decode, one run: a {doc_tokens}-token document ({name}) and a question; {new_tokens} new tokens; "
@@ -107,7 +114,42 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         log(f"{r['name']:56} {r['ttft_s'] * 1e3:7.0f}ms {r['ms_per_token']:9.1f} {r['floor_ms']:7.1f} "
             f"{r['ms_per_token'] / r['floor_ms']:8.1f} {r['answer_s']:7.2f}s {base['answer_s'] / r['answer_s']:8.1f}x "
             f"{same:>12}")
+    if together:
+        log(f"several answers decoding together (one document, {new_tokens} new tokens each): ms a step, tokens/s over "
+            "all answers, answers equal to their own decoded alone")
+        log(f"{'':56} " + " ".join(f"{f'{m} answers':>24}" for m in together))
+        for r in rows[1:]:
+            log(f"{r['name']:56} " + " ".join(f"{t['ms_per_step']:6.1f}ms {t['tokens_per_s']:6.0f}/s {t['identical']:>7}"
+                                             for t in r["together"]))
     return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows}
+
+
+def _together(pc, tok, doc_ids: list[int], counts, new_tokens: int, repeats: int) -> list[dict]:
+    """``pc`` decoding ``m`` answers at once, for each ``m`` of ``counts``: one cached document,
+    a question of each answer's own (see the module docstring)."""
+    from ..engine import Parts
+
+    if not counts:
+        return []
+    kv = pc.encode(doc_ids, list(range(len(doc_ids))))
+    qs = [tok(f"\nQuestion {i + 1}: {QUESTION}\nAnswer:", add_special_tokens=False)["input_ids"]
+          for i in range(max(counts))]
+    alone = [pc.generate(Parts([("doc", kv)], q), max_new_tokens=new_tokens).token_ids for q in qs]
+    out = []
+    for m in counts:
+        reqs = [Parts([("doc", kv)], q) for q in qs[:m]]
+        pc.generate_batch(reqs, max_new_tokens=2)
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            outs = pc.generate_batch(reqs, max_new_tokens=new_tokens)
+            runs.append((time.perf_counter() - t, outs))
+        wall, outs = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        first = max(o.ttft_s for o in outs)  # every answer's first token is out: from here on all decode
+        out.append({"answers": m, "ms_per_step": (wall - first) / (new_tokens - 1) * 1e3,
+                    "tokens_per_s": m * new_tokens / wall,
+                    "identical": f"{sum(o.token_ids == a for o, a in zip(outs, alone))}/{m}"})
+    return out
 
 
 def _timed(fn) -> float:

@@ -234,6 +234,7 @@ class FusedDecodeStep:
         self._cos = torch.empty(D // 2, dtype=dt, device=dev)
         self._sin = torch.empty(D // 2, dtype=dt, device=dev)
         self._checked: set[tuple[int, int, int]] = set()  # (keys address, values address, capacity) checked
+        self._many: list[torch.Tensor] | None = None  # many()'s scratch, grown to the largest batch seen
         if lib is not None:
             self._attn = kernels.Attention(lib, Hkv, H // Hkv, D, torch.get_num_threads())
 
@@ -308,6 +309,69 @@ class FusedDecodeStep:
             lay.down.gemv.raw(actp, hp, True)  # type: ignore[union-attr]
         lib.pc_rmsnorm(hp, self.norm.data_ptr(), xp, hidden, eps)
         self.head.gemv.raw(xp, self._logits.data_ptr())  # type: ignore[union-attr]
+
+    @torch.no_grad()
+    def many(self, tokens: list[int], positions: list[int], seqs: list) -> torch.Tensor:
+        """The logits (M, vocab) after each of M sequences' next token (``tokens[i]`` at
+        ``positions[i]``, written into the buffers of ``seqs[i]``, that sequence's layers as in
+        :meth:`__call__`): one pass over the weights for all of them, every row computed to the
+        same bits as :meth:`__call__` computes it alone. C kernels only (:attr:`kernels`
+        ``"c"``). The logits are scratch: read them before the next call."""
+        if self._lib is None:
+            raise RuntimeError(f"the fused step decodes several sequences on the C kernels only ({self.kernels_why_not})")
+        lib, attn, M = self._lib, self._attn, len(tokens)
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        hidden, eps, inter, scale = self._h.numel(), self.eps, self.inter, D ** -0.5
+        if self._many is None or self._many[0].shape[0] < M:
+            dims = (hidden, hidden, (H + 2 * Hkv) * D, H * D, 2 * inter, inter, self.head.out_features, D // 2, D // 2)
+            self._many = [torch.empty(max(M, 4), d) for d in dims]  # (M, d) each
+        h, x, qkv, att, gu, act, logits, cos, sin = (t[:M] for t in self._many)
+        ns = []
+        for i, (token, position, layers) in enumerate(zip(tokens, positions, seqs)):
+            ang = position * self.inv_freq  # as __call__ computes it, row by row
+            torch.mul(ang.cos(), self.rope_scale, out=cos[i])
+            torch.mul(ang.sin(), self.rope_scale, out=sin[i])
+            h[i].copy_(self.embed[token])
+            n = layers[0].length
+            for j, layer in enumerate(layers):
+                kb, vb = layer.buffers
+                if layer.length != n or n >= kb.shape[1]:
+                    raise RuntimeError(f"sequence {i}, cache layer {j}: {layer.length} of {kb.shape[1]} rows held; "
+                                       f"the step needs {n} and room for one more")
+                key = (kb.data_ptr(), vb.data_ptr(), kb.shape[1])
+                if key not in self._checked:
+                    attn.check(kb, n + 1)
+                    attn.check(vb, n + 1)
+                    if kb.stride(0) != vb.stride(0):
+                        raise ValueError("key and value buffers of different layouts")
+                    self._checked.add(key)
+            ns.append(n)
+        hp, xp, qkvp, attp, gup, actp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
+                                                     for t in (h, x, qkv, att, gu, act, cos, sin))  # each row's address
+        qp = self._q.data_ptr()
+        for li, lay in enumerate(self.layers):
+            for i in range(M):
+                lib.pc_rmsnorm(hp[i], lay.norm1.data_ptr(), xp[i], hidden, eps)
+            lay.qkv.gemv.raw_many(x.data_ptr(), qkv.data_ptr(), M)  # type: ignore[union-attr]
+            for i in range(M):
+                kb, vb = seqs[i][li].buffers
+                lib.pc_rope_write(qkvp[i], cosp[i], sinp[i], H, Hkv, D, qp, kb.data_ptr(), vb.data_ptr(), kb.stride(0),
+                                  ns[i])
+                attn(qp, kb, vb, ns[i] + 1, scale, attp[i])
+            lay.o.gemv.raw_many(att.data_ptr(), h.data_ptr(), M, True)  # type: ignore[union-attr]
+            for i in range(M):
+                lib.pc_rmsnorm(hp[i], lay.norm2.data_ptr(), xp[i], hidden, eps)
+            lay.gate_up.gemv.raw_many(x.data_ptr(), gu.data_ptr(), M)  # type: ignore[union-attr]
+            for i in range(M):
+                lib.pc_silu_mul(gup[i], actp[i], inter)
+            lay.down.gemv.raw_many(act.data_ptr(), h.data_ptr(), M, True)  # type: ignore[union-attr]
+        for i in range(M):
+            lib.pc_rmsnorm(hp[i], self.norm.data_ptr(), xp[i], hidden, eps)
+        self.head.gemv.raw_many(x.data_ptr(), logits.data_ptr(), M)  # type: ignore[union-attr]
+        for layers, n in zip(seqs, ns):
+            for layer in layers:
+                layer.set_length(n + 1)
+        return logits
 
     def _step_torch(self, layers, n: int) -> None:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim

@@ -130,6 +130,98 @@ void pc_gemv_f32(const float* W, const float* x, float* y, const float* bias, in
     }
 }
 
+/* The matrix-matrix products of a decode step over several sequences: Y[M, N] = X[M, K] . W[N, K]^T
+ * (+ bias), added to Y when ``add``. Each row of W is read from memory once for all M rows of X
+ * (it stays in L1 while they pass), and every (m, n) is accumulated step for step as the
+ * matrix-vector product above computes it, so a sequence decodes to the same bits alone or
+ * batched. PC_MB rows of X share one pass over a row of W. */
+#define PC_MB 8
+
+/* dots_<fmt>(w, X, mb, K, out): out[i] = w . X[i] for the mb (<= PC_MB) rows of X, each summed
+ * as dot_<fmt> sums it. The switch makes mb a constant in each copy of the loop, so the
+ * accumulators stay in registers. */
+#ifdef __AVX512F__
+#define PC_DOTS_BODY(WLOAD, DOT)                                                                      \
+    __m512 a[PC_MB];                                                                                  \
+    for (int64_t i = 0; i < mb; i++) a[i] = _mm512_setzero_ps();                                      \
+    for (int64_t k = 0; k < K; k += 16) {                                                             \
+        __m512 wv = WLOAD;                                                                            \
+        for (int64_t i = 0; i < mb; i++) a[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(X + i * K + k), a[i]); \
+    }                                                                                                 \
+    for (int64_t i = 0; i < mb; i++) out[i] = _mm512_reduce_add_ps(a[i]);
+#else
+#define PC_DOTS_BODY(WLOAD, DOT) for (int64_t i = 0; i < mb; i++) out[i] = DOT(w, X + i * K, K);
+#endif
+#define PC_DOTS(NAME, WT, WLOAD, DOT)                                                                 \
+    static inline __attribute__((always_inline)) void NAME##_k(const WT* w, const float* X,          \
+                                                               const int64_t mb, int64_t K, float* out) { \
+        PC_DOTS_BODY(WLOAD, DOT)                                                                      \
+    }                                                                                                 \
+    static void NAME(const WT* w, const float* X, int64_t mb, int64_t K, float* out) {              \
+        switch (mb) {                                                                                 \
+            case 1: NAME##_k(w, X, 1, K, out); break;                                                 \
+            case 2: NAME##_k(w, X, 2, K, out); break;                                                 \
+            case 3: NAME##_k(w, X, 3, K, out); break;                                                 \
+            case 4: NAME##_k(w, X, 4, K, out); break;                                                 \
+            case 5: NAME##_k(w, X, 5, K, out); break;                                                 \
+            case 6: NAME##_k(w, X, 6, K, out); break;                                                 \
+            case 7: NAME##_k(w, X, 7, K, out); break;                                                 \
+            default: NAME##_k(w, X, PC_MB, K, out); break;                                            \
+        }                                                                                             \
+    }
+
+PC_DOTS(dots_f32, float, _mm512_loadu_ps(w + k), dot_f32)
+/* bf16 -> fp32 is a 16-bit shift */
+PC_DOTS(dots_bf16, uint16_t,
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16)),
+        dot_bf16)
+PC_DOTS(dots_int8, int8_t, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k)))), dot_int8)
+
+/* fmt 0: fp32 W; 1: bf16 W; 2: int8 W with one scale a row. The bf16 and int8 products read X
+ * rounded to bfloat16 and round each product to bfloat16 before the bias, as pc_gemv_* do. */
+static void gemm(int fmt, const void* W, const float* scale, const float* X, float* Y, const float* bias,
+                 int64_t N, int64_t K, int64_t M, int add) {
+    const float* xs = X;
+    float* xr = NULL;
+    if (fmt != 0) {
+        xr = (float*)malloc(sizeof(float) * M * K);
+        if (!xr) return;
+        for (int64_t i = 0; i < M * K; i++) xr[i] = round_bf16(X[i]);
+        xs = xr;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float d[PC_MB];
+        for (int64_t m0 = 0; m0 < M; m0 += PC_MB) {
+            int64_t mb = M - m0 < PC_MB ? M - m0 : PC_MB;
+            if (fmt == 0) dots_f32((const float*)W + n * K, xs + m0 * K, mb, K, d);
+            else if (fmt == 1) dots_bf16((const uint16_t*)W + n * K, xs + m0 * K, mb, K, d);
+            else dots_int8((const int8_t*)W + n * K, xs + m0 * K, mb, K, d);
+            for (int64_t i = 0; i < mb; i++) {
+                float v = fmt == 0 ? d[i] : round_bf16(fmt == 1 ? d[i] : d[i] * scale[n]);
+                float* y = Y + (m0 + i) * N;
+                PC_STORE(y, n, v);
+            }
+        }
+    }
+    free(xr);
+}
+
+void pc_gemm_f32(const float* W, const float* X, float* Y, const float* bias, int64_t N, int64_t K, int64_t M,
+                 int add) {
+    gemm(0, W, NULL, X, Y, bias, N, K, M, add);
+}
+
+void pc_gemm_bf16(const uint16_t* W, const float* X, float* Y, const float* bias, int64_t N, int64_t K, int64_t M,
+                  int add) {
+    gemm(1, W, NULL, X, Y, bias, N, K, M, add);
+}
+
+void pc_gemm_int8(const int8_t* W, const float* scale, const float* X, float* Y, const float* bias, int64_t N,
+                  int64_t K, int64_t M, int add) {
+    gemm(2, W, scale, X, Y, bias, N, K, M, add);
+}
+
 /* Attention scores of one query token: s[h, g, j] = scale * q[h, g, :] . K[h, j, :] for the
  * G query heads g of each of the H key heads h (grouped-query attention: no head repeated),
  * keys j < n. q: (H, G, D); K: head h's rows start at K + h * head_stride, D floats a row;

@@ -95,12 +95,16 @@ def load() -> ctypes.CDLL | None:
         lib.pc_gemv_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i32]
         lib.pc_gemv_f32.argtypes = [vp, vp, vp, vp, i64, i64, i32]
         lib.pc_gemv_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i32]
+        lib.pc_gemm_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
+        lib.pc_gemm_f32.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
+        lib.pc_gemm_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, i32]
         lib.pc_scores.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, f32]
         lib.pc_weighted_sum.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, vp, i64]
         lib.pc_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, i64]
         lib.pc_rmsnorm.argtypes = [vp, vp, vp, i64, f32]
         lib.pc_silu_mul.argtypes = [vp, vp, i64]
-        for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_scores, lib.pc_weighted_sum,
+        for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
+                  lib.pc_gemm_int8, lib.pc_scores, lib.pc_weighted_sum,
                   lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write):
             f.restype = None
         _lib = lib
@@ -139,6 +143,7 @@ class Gemv:
         if fmt == "int8" and self._s is None:
             raise ValueError("int8 weights need their row scales")
         self._f = {"fp32": lib.pc_gemv_f32, "bf16": lib.pc_gemv_bf16, "int8": lib.pc_gemv_int8}[fmt]
+        self._fm = {"fp32": lib.pc_gemm_f32, "bf16": lib.pc_gemm_bf16, "int8": lib.pc_gemm_int8}[fmt]
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +152,20 @@ class Gemv:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, add: bool = False) -> torch.Tensor:
         self.raw(_check(x, torch.float32, self.K, "x"), _check(y, torch.float32, self.N, "y"), add)
         return y
+
+    def many(self, x: torch.Tensor, y: torch.Tensor, add: bool = False) -> torch.Tensor:
+        """``y`` (M, N) = ``x`` (M, K) . W^T (+ bias; ``add``: added to ``y``): every row to the same
+        bits as :meth:`__call__` gives it alone, with W read once for all of them."""
+        M = x.shape[0]
+        self.raw_many(_check(x, torch.float32, M * self.K, "x"), _check(y, torch.float32, M * self.N, "y"), M, add)
+        return y
+
+    def raw_many(self, xp: int, yp: int, M: int, add: bool = False) -> None:
+        """:meth:`many` on addresses the caller has checked (M rows of K, and of N)."""
+        if self._s is not None:
+            self._fm(self._w, self._s, xp, yp, self._b, self.N, self.K, M, int(add))
+        else:
+            self._fm(self._w, xp, yp, self._b, self.N, self.K, M, int(add))
 
     def raw(self, xp: int, yp: int, add: bool = False) -> None:
         """The product on addresses the caller has checked (buffers it allocated for K and N)."""
