@@ -130,6 +130,13 @@ def test_checkpoint_resumes_and_refuses_other_settings(smol_dir, tmp_path):
     assert "holding 1 answered question (" in _run_time(resumed["config"])
     with pytest.raises(ValueError, match="modes"):
         run_eval(checkpoint=ck, **{**kw, "modes": ("full", "preamble")})
+    # the checkpoint keeps each set's input hash: a resumed report states it, and other inputs are refused
+    saved = json.loads(ck.read_text())
+    assert saved["input_hashes"] == whole["input_hashes"] == resumed["input_hashes"]
+    saved["input_hashes"]["plain"] = "0" * 16
+    ck.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="other inputs for plain"):
+        run_eval(checkpoint=ck, **kw)
 
 
 def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):

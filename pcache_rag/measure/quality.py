@@ -773,10 +773,14 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             if path is not None:
                 syn.prefix.save(path)
         config["prefix"] = syn.prefix.spec
+    saved: dict[str, str] = {}
     if checkpoint and Path(checkpoint).exists():
-        results = _resume(Path(checkpoint), config, log)
+        results, saved = _resume(Path(checkpoint), config, log)
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
+    _check_inputs(hashes, saved, checkpoint)
+    if "rag" in sets and "rag" in saved:  # known without building its index again (a resumed, finished set)
+        hashes["rag"] = saved["rag"]
     if any(encoding_of(m).startswith("cond:corpus") for m in modes):  # tokenizing the filler again costs seconds
         syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
@@ -795,6 +799,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 wd = Path(workdir)
             qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
                                                {encoding_of(m) for m in modes if m not in FULL_MODES}, prefix=syn.prefix)
+            _check_inputs({"rag": hashes["rag"]}, saved, checkpoint)
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
@@ -820,7 +825,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 log(f"[{set_name}] {qi + 1}/{len(qs)} questions, {time.perf_counter() - t_start:.0f}s: " +
                     " ".join(f"{m}={c}" for m, c in acc.items()))
                 if checkpoint:
-                    _save(Path(checkpoint), config, results)
+                    _save(Path(checkpoint), config, results, hashes)
         syn.cache.clear()  # documents are not shared across sets: free their states
         if set_name == "rag":
             for rag in rags.values():
@@ -856,18 +861,21 @@ def _run_time(cfg: dict) -> str:
     return f"{secs} s in one run. "
 
 
-def _save(path: Path, config: dict, results: dict[str, dict[str, ModeResult]]) -> None:
-    """The checkpoint: the config and every answered question's record, written atomically."""
+def _save(path: Path, config: dict, results: dict[str, dict[str, ModeResult]], hashes: dict[str, str]) -> None:
+    """The checkpoint: the config, every answered question's record and each set's input hash,
+    written atomically."""
     from dataclasses import asdict
 
-    body = {"config": config, "records": {s: {m: asdict(r) for m, r in res.items()} for s, res in results.items()}}
+    body = {"config": config, "records": {s: {m: asdict(r) for m, r in res.items()} for s, res in results.items()},
+            "input_hashes": hashes}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(body))
     tmp.replace(path)
 
 
-def _resume(path: Path, config: dict, log) -> dict[str, dict[str, ModeResult]]:
-    """The records of a checkpoint written by a run with the same ``config``; refuses another."""
+def _resume(path: Path, config: dict, log) -> tuple[dict[str, dict[str, ModeResult]], dict[str, str]]:
+    """The records of a checkpoint written by a run with the same ``config``, and the input
+    hashes it saved (none from older checkpoints); refuses another config."""
     try:
         body = json.loads(path.read_text())
         old = body["config"]
@@ -881,7 +889,15 @@ def _resume(path: Path, config: dict, log) -> dict[str, dict[str, ModeResult]]:
     out = {s: {m: ModeResult(**r) for m, r in res.items()} for s, res in records.items()}
     log("resuming from " + str(path) + ": " + ", ".join(f"{s} {len(next(iter(res.values())).correct)} answered"
                                                         for s, res in out.items() if res))
-    return out
+    return out, dict(body.get("input_hashes") or {})
+
+
+def _check_inputs(hashes: dict[str, str], saved: dict[str, str], checkpoint) -> None:
+    """Refuse to resume a checkpoint whose sets were built from other inputs."""
+    bad = sorted(s for s, h in hashes.items() if saved.get(s) not in (None, h))
+    if bad:
+        raise ValueError(f"{checkpoint} holds answers to other inputs for {', '.join(bad)} (their input hashes "
+                         "differ): resume it with the same data, or use another checkpoint path")
 
 
 def summarize(results: dict[str, dict[str, ModeResult]], modes) -> dict:
