@@ -282,6 +282,17 @@ class FusedDecodeStep:
             layer.set_length(n + 1)
         return self._logits
 
+    def _readable(self, kb: torch.Tensor, vb: torch.Tensor, n: int) -> None:
+        """Refuse a layer's key and value buffers the C kernels cannot read raw; each new buffer
+        (a workspace grown, a request's own rows) is checked once."""
+        key = (kb.data_ptr(), vb.data_ptr(), kb.shape[1])
+        if key not in self._checked:
+            self._attn.check(kb, n + 1)
+            self._attn.check(vb, n + 1)
+            if kb.stride(0) != vb.stride(0):
+                raise ValueError("key and value buffers of different layouts")
+            self._checked.add(key)
+
     def _step_c(self, layers, n: int) -> None:
         lib, attn = self._lib, self._attn
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
@@ -291,13 +302,7 @@ class FusedDecodeStep:
         cosp, sinp, scale = self._cos.data_ptr(), self._sin.data_ptr(), D ** -0.5
         for lay, layer in zip(self.layers, layers):
             kb, vb = layer.buffers
-            key = (kb.data_ptr(), vb.data_ptr(), kb.shape[1])
-            if key not in self._checked:  # a new workspace buffer: the kernels read it raw
-                attn.check(kb, n + 1)
-                attn.check(vb, n + 1)
-                if kb.stride(0) != vb.stride(0):
-                    raise ValueError("key and value buffers of different layouts")
-                self._checked.add(key)
+            self._readable(kb, vb, n)
             lib.pc_rmsnorm(hp, lay.norm1.data_ptr(), xp, hidden, eps)
             lay.qkv.gemv.raw(xp, qkvp)  # type: ignore[union-attr]
             lib.pc_rope_write(qkvp, cosp, sinp, H, Hkv, D, qp, kb.data_ptr(), vb.data_ptr(), kb.stride(0), n)
@@ -338,13 +343,7 @@ class FusedDecodeStep:
                 if layer.length != n or n >= kb.shape[1]:
                     raise RuntimeError(f"sequence {i}, cache layer {j}: {layer.length} of {kb.shape[1]} rows held; "
                                        f"the step needs {n} and room for one more")
-                key = (kb.data_ptr(), vb.data_ptr(), kb.shape[1])
-                if key not in self._checked:
-                    attn.check(kb, n + 1)
-                    attn.check(vb, n + 1)
-                    if kb.stride(0) != vb.stride(0):
-                        raise ValueError("key and value buffers of different layouts")
-                    self._checked.add(key)
+                self._readable(kb, vb, n)
             ns.append(n)
         hp, xp, qkvp, attp, gup, actp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
                                                      for t in (h, x, qkv, att, gu, act, cos, sin))  # each row's address
