@@ -70,7 +70,7 @@ def cmd_bench(a) -> int:
     if a.what == "decode":
         from .measure.decode_bench import bench_decode
 
-        out = bench_decode(a.model, repeats=a.repeats, log=log)
+        out = bench_decode(a.model, repeats=a.repeats, busy=a.busy, log=log)
         if a.json:
             print(json.dumps({"benchmark": "decode", **out}, indent=2))
         return 0
@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="decode: time every row again beside N single-threaded busy processes the run starts")
     b.add_argument("--question-tokens", type=int, default=32)
     b.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     b.set_defaults(fn=cmd_bench)

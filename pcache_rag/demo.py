@@ -48,6 +48,12 @@ def run_demo(a) -> int:
     pc = index.engine(a.model)
     print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
           f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}; decoding: {pc.core.decode_path}")
+    from .measure.decode_bench import step_floor
+
+    floor = step_floor(pc)
+    if floor is not None:
+        print(f"  the decode step's weight-streaming floor: {floor[0]:.1f} ms a token (its weights at this machine's "
+              f"{floor[1]:.1f} GB/s read bandwidth, measured now)")
     rag = CachedRAG(index, pc=pc, k=4)
     _say_conditioning(rag)
     rep = rag.ingest([corpus])
@@ -63,6 +69,7 @@ def run_demo(a) -> int:
         per_token = (out.total_s - out.ttft_s) / max(len(out.token_ids) - 1, 1) * 1000
         print(f"   ttft cached {cached.ttft_s * 1000:.0f} ms vs full prefill {full.ttft_s * 1000:.0f} ms "
               f"(x{full.ttft_s / cached.ttft_s:.1f}); {out.cached_tokens} tokens cached, "
-              f"{out.computed_tokens} computed; {len(out.token_ids)} tokens decoded at {per_token:.0f} ms a token\n")
+              f"{out.computed_tokens} computed; {len(out.token_ids)} tokens decoded at {per_token:.0f} ms a token"
+              + (f" ({per_token / floor[0]:.1f}x the floor)" if floor is not None else "") + "\n")
     rag.close()
     return 0

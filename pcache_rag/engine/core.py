@@ -88,7 +88,7 @@ class EngineCore:
                    else installed_format(model) or "fp32")
             step, why = fused_step(model, self.adapter, tokenizer, fmt)
             if step is not None:
-                how = "C kernels" if step.kernels == "c" else f"torch kernels: {step.kernels_why_not}"
+                how = f"C kernels, {step.variant}" if step.kernels == "c" else f"torch kernels: {step.kernels_why_not}"
                 #: which step decodes a stream alone, and why (a batch step is always transformers')
                 self.decode_path = f"fused {fmt} step ({how})"
             else:

@@ -21,11 +21,20 @@ Then each cached row decodes ``together`` answers at once (:meth:`PromptCache.ge
 the continuous batch a server runs: the fused step's many-sequence form, or transformers' ragged
 forward without it): milliseconds a step (every answer's next token), tokens a second over all
 answers, and how many answers equal the same question's answer decoded alone.
+
+``busy=N`` then starts N single-threaded busy-loop processes (each spinning on one core, as a
+neighbour's job would) and times every row again while they run, so a row's quiet and busy
+figures come from one process and one run, beside the stock step's. The header names the CPU's
+instruction set and the kernel variant each fused row ran on (``PCACHE_RAG_KERNELS=avx2``
+shows the AVX2 path on an AVX-512 machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -47,12 +56,51 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` single-threaded busy-loop processes running until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+             for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # let the scheduler see them
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def cpu_line() -> str:
+    """The CPU's vector features and the kernel variant the fused rows run on."""
+    from ..models import kernels
+
+    flags = set(kernels.cpu_flags().split())
+    feats = [f for f in ("avx512f", "avx512bw", "avx2", "fma", "asimd") if f in flags]
+    want = kernels.wanted()
+    forced = f" ({kernels.ENV}={want})" if kernels.os.environ.get(kernels.ENV) else ""
+    return (f"CPU: {kernels.cpu_variant()} ({' '.join(feats) or 'no vector features reported'}); decode kernels: "
+            f"{want or 'off'}{forced}; {kernels.threads()} threads")
+
+
+def step_floor(pc) -> tuple[float, float] | None:
+    """``(floor ms a token, read GB/s)`` for ``pc``'s fused decode step: the bytes of weights one
+    token reads over this machine's read bandwidth, measured now (about a second); None when
+    the engine decodes with the stock step."""
+    step = getattr(pc.core.decoder, "step", None)
+    if step is None:
+        return None
+    bw = read_bandwidth(max(step.nbytes, 256 << 20))
+    return step.nbytes / bw * 1e3, bw / 1e9
+
+
 def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc_tokens: int = 1000,
-                 repeats: int = 3, together=(4, 8), log=print) -> dict:
+                 repeats: int = 3, together=(4, 8), busy: int = 0, log=print) -> dict:
     """The rows described in the module docstring, as a dict (also logged as a table)."""
     from ..default_model import load_model
     from ..engine import PromptCache
     from ..docmodules import Assembler, format_documents
+    from ..models import kernels
 
     m, tok = load_model(model)
     name, text = next((n, t) for n, t in stdlib_docs(min_chars=doc_tokens * 8) if len(t) > doc_tokens * 4)
@@ -68,13 +116,19 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
                                      for r, c in turns], add_generation_prompt=True, return_tensors="pt",
                                     return_dict=True)["input_ids"]
     gen = dict(do_sample=False, pad_token_id=tok.eos_token_id)
-    with torch.no_grad():
-        m.generate(plain, max_new_tokens=2, **gen)
+
+    @torch.no_grad()
+    def stock() -> tuple[float, float]:
         ttft = statistics.median(_timed(lambda: m.generate(plain, max_new_tokens=1, **gen)) for _ in range(repeats))
         whole = statistics.median(_timed(lambda: m.generate(plain, min_new_tokens=new_tokens,
                                                             max_new_tokens=new_tokens, **gen))
                                   for _ in range(repeats))
-    rows.append(_row("transformers generate (fp32, full prefill)", ttft, whole, new_tokens, linear_bytes, bw))
+        return ttft, whole
+
+    with torch.no_grad():
+        m.generate(plain, max_new_tokens=2, **gen)
+    timers = [stock]
+    rows.append(_row("transformers generate (fp32, full prefill)", *stock(), new_tokens, linear_bytes, bw))
     stock_tokens: list[int] | None = None
     for fmt, fused in ((None, False), (None, True), *((f, True) for f in formats)):
         mm, _ = load_model(model)
@@ -90,9 +144,15 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         asm = Assembler(pc, conditioning="none")
         segs = asm.message_segments(turns)
         asm.generate(segs, max_new_tokens=2)  # encodes the document once
-        outs = [asm.generate(segs, max_new_tokens=new_tokens).output for _ in range(repeats)]
-        ttft = statistics.median(o.ttft_s for o in outs)
-        whole = statistics.median(o.total_s for o in outs)
+
+        def cached(asm=asm, segs=segs) -> tuple[float, float]:
+            outs = [asm.generate(segs, max_new_tokens=new_tokens).output for _ in range(repeats)]
+            cached.outs = outs  # type: ignore[attr-defined]
+            return statistics.median(o.ttft_s for o in outs), statistics.median(o.total_s for o in outs)
+
+        ttft, whole = cached()
+        outs = cached.outs  # type: ignore[attr-defined]
+        timers.append(cached)
         nbytes = linear_bytes if fmt is None else rep.small_bytes  # type: ignore[union-attr]
         label = (f"pcache-rag, cached, fused step, {fmt or 'fp32'} weights" if fused
                  else "pcache-rag, cached, transformers step, fp32 weights")
@@ -104,7 +164,15 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         row["together"] = _together(pc, tok, tok(doc, add_special_tokens=False)["input_ids"], together, new_tokens,
                                     repeats)
         rows.append(row)
+    if busy:
+        with busy_processes(busy):
+            for r, timer in zip(rows, timers):
+                ttft, whole = timer()
+                r["busy_ms_per_token"] = (whole - ttft) / (new_tokens - 1) * 1e3
+                r["busy_answer_s"] = whole
+                r["busy_threads"] = kernels.threads()
     base = rows[0]
+    log(cpu_line())
     log(f"decode, one run: a {doc_tokens}-token document ({name}) and a question; {new_tokens} new tokens; "
         f"medians of {repeats}; read bandwidth {bw / 1e9:.1f} GB/s")
     log(f"{'':56} {'TTFT':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'answer':>8} {'vs stock':>9} "
@@ -114,6 +182,15 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         log(f"{r['name']:56} {r['ttft_s'] * 1e3:7.0f}ms {r['ms_per_token']:9.1f} {r['floor_ms']:7.1f} "
             f"{r['ms_per_token'] / r['floor_ms']:8.1f} {r['answer_s']:7.2f}s {base['answer_s'] / r['answer_s']:8.1f}x "
             f"{same:>12}")
+    if busy:
+        step = next(r for r in rows if r["name"].endswith("transformers step, fp32 weights"))
+        log(f"with {busy} single-threaded busy processes beside it (started by this run): ms a token quiet and busy; "
+            f"busy against the cached transformers step's busy {step['busy_ms_per_token']:.1f} ms")
+        log(f"{'':56} {'quiet':>8} {'busy':>8} {'busy/quiet':>11} {'vs step busy':>13} {'threads':>8}")
+        for r in rows:
+            log(f"{r['name']:56} {r['ms_per_token']:8.1f} {r['busy_ms_per_token']:8.1f} "
+                f"{r['busy_ms_per_token'] / r['ms_per_token']:10.2f}x "
+                f"{r['busy_ms_per_token'] / step['busy_ms_per_token']:12.2f}x {r['busy_threads']:>8}")
     if together:
         log(f"several answers decoding together (one document, {new_tokens} new tokens each): ms a step, tokens/s over "
             "all answers, answers equal to their own decoded alone")
@@ -121,7 +198,8 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         for r in rows[1:]:
             log(f"{r['name']:56} " + " ".join(f"{t['ms_per_step']:6.1f}ms {t['tokens_per_s']:6.0f}/s {t['identical']:>7}"
                                              for t in r["together"]))
-    return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows}
+    return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows,
+            "cpu": cpu_line(), "cpu_variant": kernels.cpu_variant(), "kernels": kernels.wanted(), "busy": busy}
 
 
 def _together(pc, tok, doc_ids: list[int], counts, new_tokens: int, repeats: int) -> list[dict]:

@@ -203,12 +203,14 @@ class FusedDecodeStep:
         lib = None if self.kernels_why_not else kernels.load()
         if lib is None and not self.kernels_why_not:
             self.kernels_why_not = kernels.why_not()
+        #: the C kernels' instruction-set variant ("avx512", "avx2", "neon", "portable"; "" on torch's)
+        self.variant = ""
         if lib is not None:
-            self.kernels = "c"
+            self.kernels, self.variant = "c", lib.pc_variant().decode()
         self._lib: Any = lib
         # the laid-out weights hold no state: every engine over this model shares one set a format
         shared = _SHARED.setdefault(model, {})
-        key = (fmt, self.kernels)
+        key = (fmt, self.kernels, self.variant)
         if key not in shared:
             layers = []
             for a, m, n1, n2, qn, kn in found:
@@ -236,7 +238,9 @@ class FusedDecodeStep:
         self._checked: set[tuple[int, int, int]] = set()  # (keys address, values address, capacity) checked
         self._many: list[torch.Tensor] | None = None  # many()'s scratch, grown to the largest batch seen
         if lib is not None:
-            self._attn = kernels.Attention(lib, Hkv, H // Hkv, D, torch.get_num_threads())
+            self._attn = kernels.Attention(lib, Hkv, H // Hkv, D)
+        #: the thread count the last token ran on (the C kernels fit it to the free CPUs)
+        self.threads = 0
 
     def _c_refusal(self, model, found, hidden: int) -> str:
         """Why this model's step cannot run on the C kernels ('' if it can)."""
@@ -275,6 +279,7 @@ class FusedDecodeStep:
                 raise RuntimeError(f"cache layer {i} holds {layer.length} of {kb.shape[1]} rows; the step needs {n} "
                                    "and room for one more")
         if self._lib is not None:
+            self.threads = kernels.fit_threads(self._lib)
             self._step_c(layers, n)
         else:
             self._step_torch(layers, n)
@@ -345,6 +350,7 @@ class FusedDecodeStep:
                                        f"the step needs {n} and room for one more")
                 self._readable(kb, vb, n)
             ns.append(n)
+        self.threads = kernels.fit_threads(lib)
         hp, xp, qkvp, attp, gup, actp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
                                                      for t in (h, x, qkv, att, gu, act, cos, sin))  # each row's address
         qp = self._q.data_ptr()

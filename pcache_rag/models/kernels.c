@@ -7,37 +7,150 @@
  * dynamic int8 20 GB/s, torch.compile's generated reduction 24 GB/s; these loops 40 GB/s
  * (bf16), the machine's read bandwidth. Hence our own.
  *
+ * One source, one variant per instruction set, picked at run time by kernels.py from what the
+ * CPU reports (PC_AVX512, PC_AVX2 with FMA, PC_NEON, or none: portable C). Every variant sums
+ * a dot product the same way: 16 lanes, lane i accumulating elements k = i (mod 16) with a
+ * fused multiply-add, then the lanes added as a fixed tree (i + 8, i + 4, i + 2, i + 1). The
+ * AVX-512 build holds the 16 lanes in one register, AVX2 in two, NEON in four, portable C in an
+ * array with fmaf. So every variant computes the same bits (tested: the portable and AVX2
+ * builds against the AVX-512 build on one machine; NEON under qemu), and a sequence decodes to
+ * the same bits alone or batched, whatever the variant. Built with -ffp-contract=off so that
+ * no compiler fuses the other loops' multiply-adds differently per instruction set.
+ *
+ * Threads: every parallel loop runs on pc_threads() threads (pc_set_threads: kernels.py fits it
+ * to the CPUs that are free, for the decoding thread's torch ops too) and splits its work in a way that does not depend on that count,
+ * so the count changes speed, never a result. Rows of a product are independent; attention
+ * sums its keys in fixed blocks (PC_KB), added in block order.
+ *
  * Every function takes raw pointers to contiguous float32/bf16/int8 buffers; kernels.py checks
- * dtypes, shapes and contiguity before any call. Rows are split across the OpenMP threads
- * (libgomp: the same runtime torch loads, so one thread pool). Without AVX-512 the loops are
- * plain C, correct and slower.
+ * dtypes, shapes and contiguity before any call. libgomp is the OpenMP runtime torch loads, so
+ * one thread pool.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(PC_AVX512) || defined(PC_AVX2)
 #include <immintrin.h>
+#elif defined(PC_NEON)
+#include <arm_neon.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+/* The variant this library was built as (kernels.py checks it against what it asked for). */
+const char* pc_variant(void) {
+#if defined(PC_AVX512)
+    return "avx512";
+#elif defined(PC_AVX2)
+    return "avx2";
+#elif defined(PC_NEON)
+    return "neon";
+#else
+    return "portable";
+#endif
 }
 
-/* a . b over K floats (K a multiple of 16 on the AVX-512 path). */
-static inline float dot_f32(const float* a, const float* b, int64_t K) {
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-    return _mm512_reduce_add_ps(acc);
+static int pc_nthreads = 0; /* 0: the OpenMP default */
+
+/* How many threads the parallel loops use from now on (0 or less: the OpenMP default). It also
+ * sets the calling thread's OpenMP team size, which torch's own parallel loops read (one
+ * libgomp in the process), so the torch ops of a decode between two steps (sampling, softmax)
+ * run on the same count instead of waiting at their barriers for a core that is not free. */
+void pc_set_threads(int n) {
+    __atomic_store_n(&pc_nthreads, n > 0 ? n : 0, __ATOMIC_RELAXED);
+    if (n > 0) omp_set_num_threads(n);
+}
+
+static inline int pc_threads(void) {
+    int n = __atomic_load_n(&pc_nthreads, __ATOMIC_RELAXED);
+    return n > 0 ? n : omp_get_max_threads();
+}
+
+/* ---- 16 float lanes: v16 ------------------------------------------------------------------ */
+#if defined(PC_AVX512)
+typedef __m512 v16;
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
+static inline v16 v16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline v16 v16_bf16(const uint16_t* p) { /* bf16 -> fp32 is a 16-bit shift */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline v16 v16_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline __m256 v16_fold8(v16 a) { /* lane i + lane i + 8 */
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#elif defined(PC_AVX2)
+typedef struct { __m256 lo, hi; } v16; /* lanes 0-7, 8-15 */
+static inline v16 v16_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
+    v16 r = {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+    return r;
+}
+static inline v16 v16_f32(const float* p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline __m256 pc_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline v16 v16_bf16(const uint16_t* p) { v16 r = {pc_bf16x8(p), pc_bf16x8(p + 8)}; return r; }
+static inline v16 v16_i8(const int8_t* p) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
+static inline __m256 v16_fold8(v16 a) { return _mm256_add_ps(a.lo, a.hi); }
+#elif defined(PC_NEON)
+typedef struct { float32x4_t a, b, c, d; } v16; /* lanes 0-3, 4-7, 8-11, 12-15 */
+static inline v16 v16_zero(void) { float32x4_t z = vdupq_n_f32(0.f); v16 r = {z, z, z, z}; return r; }
+static inline v16 v16_fma(v16 x, v16 y, v16 acc) {
+    v16 r = {vfmaq_f32(acc.a, x.a, y.a), vfmaq_f32(acc.b, x.b, y.b), vfmaq_f32(acc.c, x.c, y.c),
+             vfmaq_f32(acc.d, x.d, y.d)};
+    return r;
+}
+static inline v16 v16_f32(const float* p) { v16 r = {vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}; return r; }
+static inline float32x4_t pc_bf16x4(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+static inline v16 v16_bf16(const uint16_t* p) {
+    v16 r = {pc_bf16x4(p), pc_bf16x4(p + 4), pc_bf16x4(p + 8), pc_bf16x4(p + 12)};
+    return r;
+}
+static inline v16 v16_i8(const int8_t* p) {
+    int8x16_t b = vld1q_s8(p);
+    int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+    v16 r = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+             vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))};
+    return r;
+}
 #else
-    float acc = 0.f;
-    for (int64_t k = 0; k < K; k++) acc += a[k] * b[k];
-    return acc;
+typedef struct { float l[16]; } v16;
+static inline v16 v16_zero(void) { v16 r; for (int i = 0; i < 16; i++) r.l[i] = 0.f; return r; }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) { for (int i = 0; i < 16; i++) acc.l[i] = fmaf(a.l[i], b.l[i], acc.l[i]); return acc; }
+static inline v16 v16_f32(const float* p) { v16 r; memcpy(r.l, p, sizeof r.l); return r; }
+static inline v16 v16_bf16(const uint16_t* p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.l[i], &u, 4); }
+    return r;
+}
+static inline v16 v16_i8(const int8_t* p) { v16 r; for (int i = 0; i < 16; i++) r.l[i] = (float)p[i]; return r; }
+#endif
+
+/* The sum of the 16 lanes, as a fixed tree: t[i] = l[i] + l[i + 8]; u[i] = t[i] + t[i + 4];
+ * v[i] = u[i] + u[i + 2]; v[0] + v[1]. Every variant adds in exactly this order. */
+static inline float v16_sum(v16 a) {
+#if defined(PC_AVX512) || defined(PC_AVX2)
+    __m256 t = v16_fold8(a);
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+#elif defined(PC_NEON)
+    float32x4_t u = vaddq_f32(vaddq_f32(a.a, a.c), vaddq_f32(a.b, a.d));
+    float32x2_t v = vadd_f32(vget_low_f32(u), vget_high_f32(u));
+    return vget_lane_f32(v, 0) + vget_lane_f32(v, 1);
+#else
+    float t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) t[i] = a.l[i] + a.l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    for (int i = 0; i < 2; i++) v[i] = u[i] + u[i + 2];
+    return v[0] + v[1];
 #endif
 }
 
@@ -49,136 +162,53 @@ static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to e
     return f;
 }
 
-/* The matrix-vector products: y[N] = W[N, K] . x[K] (+ bias[N]), added to y when ``add``
- * (a residual connection). K a multiple of 16; W row-major. The bf16 and int8 products round
- * W . x to bfloat16 before the bias, as torch's bf16 kernels return it. */
+/* a . b over K floats (K a multiple of 16), summed as the header says. */
+static inline float dot_f32(const float* a, const float* b, int64_t K) {
+    v16 acc = v16_zero();
+    for (int64_t k = 0; k < K; k += 16) acc = v16_fma(v16_f32(a + k), v16_f32(b + k), acc);
+    return v16_sum(acc);
+}
+
+/* The products Y[M, N] = X[M, K] . W[N, K]^T (+ bias[N]), added to Y when ``add`` (a residual
+ * connection); one token is M = 1. K a multiple of 16; W row-major. Each row of W is read from
+ * memory once for up to PC_MB rows of X (it stays in L1 while they pass), and every (m, n) is
+ * one dot product summed as dot_f32 sums it, so a sequence decodes to the same bits alone or
+ * batched. The bf16 and int8 products read X rounded to bfloat16 and round W . x to bfloat16
+ * before the bias, as torch's bf16 kernels return it. PC_MB is what fits the registers: it
+ * changes the order rows are visited in, never a sum. */
+#if defined(PC_AVX512)
+#define PC_MB 8
+#else
+#define PC_MB 4
+#endif
 #define PC_STORE(y, n, v) y[n] = (add ? y[n] : 0.f) + (bias ? (v) + bias[n] : (v))
 
-/* w . x for one bfloat16 row w. */
-static inline float dot_bf16(const uint16_t* w, const float* x, int64_t K) {
-    float acc = 0.f;
-#ifdef __AVX512F__
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {  /* bf16 -> fp32 is a 16-bit shift */
-        __m512i wi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16);
-        a = _mm512_fmadd_ps(_mm512_castsi512_ps(wi), _mm512_loadu_ps(x + k), a);
-    }
-    acc = _mm512_reduce_add_ps(a);
-#else
-    for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(w[k]) * x[k];
-#endif
-    return acc;
-}
-
-/* w . x for one int8 row w (unscaled). */
-static inline float dot_int8(const int8_t* w, const float* x, int64_t K) {
-#ifdef __AVX512F__
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k)))),
-                            _mm512_loadu_ps(x + k), a);
-    return _mm512_reduce_add_ps(a);
-#else
-    float acc = 0.f;
-    for (int64_t k = 0; k < K; k++) acc += (float)w[k] * x[k];
-    return acc;
-#endif
-}
-
-/* x rounded to bfloat16 precision, as the batch path's torch kernels read it: into ``buf``
- * when K fits, else into a fresh allocation (the caller frees what differs from buf). */
-static float* rounded(const float* x, int64_t K, float* buf, int64_t cap) {
-    float* out = K <= cap ? buf : (float*)malloc(sizeof(float) * K);
-    if (out) for (int64_t k = 0; k < K; k++) out[k] = round_bf16(x[k]);
-    return out;
-}
-#define PC_ROUND_CAP 8192
-
-/* W in bfloat16. */
-void pc_gemv_bf16(const uint16_t* W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int add) {
-    float buf[PC_ROUND_CAP];
-    float* xr = rounded(x, K, buf, PC_ROUND_CAP);
-    if (!xr) return;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float v = round_bf16(dot_bf16(W + n * K, xr, K));
-        PC_STORE(y, n, v);
-    }
-    if (xr != buf) free(xr);
-}
-
-/* W int8 with one scale a row: y[n] = (W[n] . x) * scale[n]. */
-void pc_gemv_int8(const int8_t* W, const float* scale, const float* x, float* y, const float* bias, int64_t N,
-                  int64_t K, int add) {
-    float buf[PC_ROUND_CAP];
-    float* xr = rounded(x, K, buf, PC_ROUND_CAP);
-    if (!xr) return;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float v = round_bf16(dot_int8(W + n * K, xr, K) * scale[n]);
-        PC_STORE(y, n, v);
-    }
-    if (xr != buf) free(xr);
-}
-
-/* W float32. */
-void pc_gemv_f32(const float* W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int add) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float acc = dot_f32(W + n * K, x, K);
-        PC_STORE(y, n, acc);
-    }
-}
-
-/* The matrix-matrix products of a decode step over several sequences: Y[M, N] = X[M, K] . W[N, K]^T
- * (+ bias), added to Y when ``add``. Each row of W is read from memory once for all M rows of X
- * (it stays in L1 while they pass), and every (m, n) is accumulated step for step as the
- * matrix-vector product above computes it, so a sequence decodes to the same bits alone or
- * batched. PC_MB rows of X share one pass over a row of W. */
-#define PC_MB 8
-
-/* dots_<fmt>(w, X, mb, K, out): out[i] = w . X[i] for the mb (<= PC_MB) rows of X, each summed
- * as dot_<fmt> sums it. The switch makes mb a constant in each copy of the loop, so the
- * accumulators stay in registers. */
-#ifdef __AVX512F__
-#define PC_DOTS_BODY(WLOAD, DOT)                                                                      \
-    __m512 a[PC_MB];                                                                                  \
-    for (int64_t i = 0; i < mb; i++) a[i] = _mm512_setzero_ps();                                      \
-    for (int64_t k = 0; k < K; k += 16) {                                                             \
-        __m512 wv = WLOAD;                                                                            \
-        for (int64_t i = 0; i < mb; i++) a[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(X + i * K + k), a[i]); \
-    }                                                                                                 \
-    for (int64_t i = 0; i < mb; i++) out[i] = _mm512_reduce_add_ps(a[i]);
-#else
-#define PC_DOTS_BODY(WLOAD, DOT) for (int64_t i = 0; i < mb; i++) out[i] = DOT(w, X + i * K, K);
-#endif
-#define PC_DOTS(NAME, WT, WLOAD, DOT)                                                                 \
+/* dots_<fmt>(w, X, mb, K, out): out[i] = w . X[i] for the mb (<= PC_MB) rows of X. The switch
+ * makes mb a constant in each copy of the loop, so the accumulators stay in registers. */
+#define PC_DOTS(NAME, WT, WLOAD)                                                                      \
     static inline __attribute__((always_inline)) void NAME##_k(const WT* w, const float* X,          \
                                                                const int64_t mb, int64_t K, float* out) { \
-        PC_DOTS_BODY(WLOAD, DOT)                                                                      \
+        v16 a[PC_MB];                                                                                 \
+        for (int64_t i = 0; i < mb; i++) a[i] = v16_zero();                                           \
+        for (int64_t k = 0; k < K; k += 16) {                                                         \
+            v16 wv = WLOAD(w + k);                                                                    \
+            for (int64_t i = 0; i < mb; i++) a[i] = v16_fma(wv, v16_f32(X + i * K + k), a[i]);        \
+        }                                                                                             \
+        for (int64_t i = 0; i < mb; i++) out[i] = v16_sum(a[i]);                                      \
     }                                                                                                 \
     static void NAME(const WT* w, const float* X, int64_t mb, int64_t K, float* out) {              \
         switch (mb) {                                                                                 \
             case 1: NAME##_k(w, X, 1, K, out); break;                                                 \
             case 2: NAME##_k(w, X, 2, K, out); break;                                                 \
             case 3: NAME##_k(w, X, 3, K, out); break;                                                 \
-            case 4: NAME##_k(w, X, 4, K, out); break;                                                 \
-            case 5: NAME##_k(w, X, 5, K, out); break;                                                 \
-            case 6: NAME##_k(w, X, 6, K, out); break;                                                 \
-            case 7: NAME##_k(w, X, 7, K, out); break;                                                 \
             default: NAME##_k(w, X, PC_MB, K, out); break;                                            \
         }                                                                                             \
     }
+PC_DOTS(dots_f32, float, v16_f32)
+PC_DOTS(dots_bf16, uint16_t, v16_bf16)
+PC_DOTS(dots_int8, int8_t, v16_i8)
 
-PC_DOTS(dots_f32, float, _mm512_loadu_ps(w + k), dot_f32)
-/* bf16 -> fp32 is a 16-bit shift */
-PC_DOTS(dots_bf16, uint16_t,
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16)),
-        dot_bf16)
-PC_DOTS(dots_int8, int8_t, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k)))), dot_int8)
-
-/* fmt 0: fp32 W; 1: bf16 W; 2: int8 W with one scale a row. The bf16 and int8 products read X
- * rounded to bfloat16 and round each product to bfloat16 before the bias, as pc_gemv_* do. */
+/* fmt 0: fp32 W; 1: bf16 W; 2: int8 W with one scale a row. */
 static void gemm(int fmt, const void* W, const float* scale, const float* X, float* Y, const float* bias,
                  int64_t N, int64_t K, int64_t M, int add) {
     const float* xs = X;
@@ -189,7 +219,8 @@ static void gemm(int fmt, const void* W, const float* scale, const float* X, flo
         for (int64_t i = 0; i < M * K; i++) xr[i] = round_bf16(X[i]);
         xs = xr;
     }
-    #pragma omp parallel for schedule(static)
+    int nt = pc_threads();
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t n = 0; n < N; n++) {
         float d[PC_MB];
         for (int64_t m0 = 0; m0 < M; m0 += PC_MB) {
@@ -205,6 +236,21 @@ static void gemm(int fmt, const void* W, const float* scale, const float* X, flo
         }
     }
     free(xr);
+}
+
+/* One token (M = 1): y[N] = W . x (+ bias). */
+void pc_gemv_f32(const float* W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int add) {
+    gemm(0, W, NULL, x, y, bias, N, K, 1, add);
+}
+
+void pc_gemv_bf16(const uint16_t* W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int add) {
+    gemm(1, W, NULL, x, y, bias, N, K, 1, add);
+}
+
+/* W int8 with one scale a row: y[n] = (W[n] . x) * scale[n]. */
+void pc_gemv_int8(const int8_t* W, const float* scale, const float* x, float* y, const float* bias, int64_t N,
+                  int64_t K, int add) {
+    gemm(2, W, scale, x, y, bias, N, K, 1, add);
 }
 
 void pc_gemm_f32(const float* W, const float* X, float* Y, const float* bias, int64_t N, int64_t K, int64_t M,
@@ -230,7 +276,8 @@ void pc_scores(const float* q, const float* K, int64_t head_stride, float* s, in
                int64_t n, float scale) {
     const int64_t B = 64;  /* keys a work item */
     const int64_t nb = (n + B - 1) / B;
-    #pragma omp parallel for schedule(static)
+    int nt = pc_threads();
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t it = 0; it < H * nb; it++) {
         int64_t h = it / nb, j0 = (it % nb) * B, j1 = j0 + B < n ? j0 + B : n;
         const float* qh = q + h * G * D;
@@ -242,18 +289,22 @@ void pc_scores(const float* q, const float* K, int64_t head_stride, float* s, in
 }
 
 /* The attention output: out[h, g, :] = sum_j p[h, g, j] V[h, j, :] (p: softmaxed scores,
- * (H, G, n); V laid out as K in pc_scores; out: (H, G, D)). Each thread sums a contiguous
- * range of keys of every head into its own partial output, so V is read once, row by row;
- * the partials are added at the end. ``part``: scratch of threads * H * G * D floats. */
+ * (H, G, n); V laid out as K in pc_scores; out: (H, G, D)). The keys are summed in blocks of
+ * PC_KB, each block into its own partial output (V read once, row by row), and the partials
+ * added in block order: the same sums whatever the thread count. ``part``: scratch of
+ * ceil(n / PC_KB) * H * G * D floats. */
+#define PC_KB 128
+int64_t pc_weighted_sum_scratch(int64_t H, int64_t G, int64_t D, int64_t n) { return (n + PC_KB - 1) / PC_KB * H * G * D; }
+
 void pc_weighted_sum(const float* p, const float* V, int64_t head_stride, float* out, int64_t H, int64_t G,
-                     int64_t D, int64_t n, float* part, int64_t threads) {
-    int64_t HGD = H * G * D;
-    memset(part, 0, sizeof(float) * threads * HGD);
-    #pragma omp parallel num_threads(threads)
-    {
-        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt;
-        float* acc = part + t * HGD;
+                     int64_t D, int64_t n, float* part) {
+    const int64_t HGD = H * G * D, nb = (n + PC_KB - 1) / PC_KB;
+    int nt = pc_threads();
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && nb > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t j0 = b * PC_KB, j1 = j0 + PC_KB < n ? j0 + PC_KB : n;
+        float* acc = part + b * HGD;
+        memset(acc, 0, sizeof(float) * HGD);
         for (int64_t h = 0; h < H; h++) {
             for (int64_t j = j0; j < j1; j++) {
                 const float* v = V + h * head_stride + j * D;
@@ -268,11 +319,10 @@ void pc_weighted_sum(const float* p, const float* V, int64_t head_stride, float*
     }
     for (int64_t i = 0; i < HGD; i++) {
         float sum = 0.f;
-        for (int64_t t = 0; t < threads; t++) sum += part[t * HGD + i];
+        for (int64_t b = 0; b < nb; b++) sum += part[b * HGD + i];
         out[i] = sum;
     }
 }
-
 /* RoPE (the half-rotation convention) on one token's projections, and its key and value
  * written into the cache: qkv holds H query heads, then Hkv key heads, then Hkv value heads,
  * D floats each. q_out (H, D) <- rotated queries; the rotated keys and the values go to row

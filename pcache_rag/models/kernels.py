@@ -6,12 +6,31 @@ matrices at half this machine's bandwidth). Why ctypes and a plain C file rather
 C++ extension: it needs no torch headers, no ninja and no Python headers, compiles in under a
 second, and a call costs about a microsecond.
 
-The shared library is built with the system C compiler (``$CC``, else ``cc``) as
-``-O3 -march=native -fopenmp`` into ``$PCACHE_RAG_HOME/kernels/``, named by a hash of the
-source, the flags and this CPU's feature flags, so a home directory shared by two machines
-never loads code built for the other. No compiler, a failed build or a failed load leaves
-:func:`load` returning ``None`` with the reason in :func:`why_not`; the fused step then uses
-oneDNN's kernels (said in its report), never a silent change of results.
+**Which build.** One variant per instruction set (:data:`VARIANTS`: ``avx512``, ``avx2``
+with FMA, ``neon``, ``portable`` C), picked at run time from what the CPU reports
+(:func:`cpu_variant`), not from ``-march=native``: a wheel or a shared home directory built on
+one machine still runs the right code on the next. ``PCACHE_RAG_KERNELS`` chooses: ``0`` no C
+kernels, a variant's name that variant (refused by name if this CPU cannot run it; ``avx2`` on
+an AVX-512 machine shows the AVX2 path there), anything else the CPU's best. Every variant sums
+in the same fixed lane order, so each computes the same bits (``kernels.c``'s header).
+
+Each variant's shared library is built with the system C compiler (``$CC``, else ``cc``) into
+``$PCACHE_RAG_HOME/kernels/``, named by a hash of the source, the variant and its flags. No
+compiler, a failed build or a failed load leaves :func:`load` returning ``None`` with the
+reason in :func:`why_not`; the fused step then uses oneDNN's kernels (said in its report),
+never a silent change of results.
+
+**How many threads.** The kernels' parallel loops run on :func:`threads` threads, refitted at
+most every :data:`REFIT_S` seconds to the CPUs this process may use less the CPU time other
+processes took over the last interval (``/proc/stat``; :class:`FreeCpus`). On a busy machine a
+step then runs on the cores it can actually get instead of waiting at every loop's barrier for
+a thread the scheduler has parked; the split of work never depends on the count, so neither
+does a result. The count is also the decoding thread's OpenMP team size (torch and these
+kernels share one libgomp), so the torch ops between two steps (sampling, the softmax) follow
+it: on a busy machine they cost more than the step itself when they do not (measured, AVX-512,
+two busy processes: 59-67 ms a token with torch's ops on two threads, 24 ms on the fitted
+one). The most it uses is torch's thread count when this module was imported, and at most the
+CPUs this process may run on; ``PCACHE_RAG_DECODE_THREADS=N`` fixes the count.
 """
 
 from __future__ import annotations
@@ -22,8 +41,10 @@ import logging
 import os
 import shutil
 import subprocess
+import platform
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,17 +54,30 @@ from ..fsutil import cache_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+#: flags every variant is built with (-ffp-contract=off: no compiler fuses a multiply-add the
+#: source does not, so every variant rounds alike)
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+#: each variant's own flags (its -D selects its code in kernels.c)
+VARIANTS = {
+    "avx512": ["-DPC_AVX512", "-mavx512f", "-mavx2", "-mfma"],
+    "avx2": ["-DPC_AVX2", "-mavx2", "-mfma"],
+    "neon": ["-DPC_NEON"],
+    "portable": [],
+}
+#: the environment variable that chooses the kernels (module docstring)
+ENV = "PCACHE_RAG_KERNELS"
+#: how often (seconds) :func:`threads` refits the thread count to the free CPUs
+REFIT_S = 0.25
 #: the largest head size and query group :func:`scores`/:func:`weighted_sum` take
 MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_why = ""
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}  # by variant, once tried
+_whys: dict[str, str] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them (the machine's name where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -53,12 +87,47 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build(target: Path, cc: str) -> None:
+def cpu_variant(flags: str | None = None, machine: str | None = None) -> str:
+    """The fastest variant this CPU runs (``flags``: its feature flags, ``machine``: its
+    architecture; this machine's when None)."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    machine = (machine or platform.machine()).lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        if {"avx512f", "avx2", "fma"} <= have:
+            return "avx512"
+        if {"avx2", "fma"} <= have:
+            return "avx2"
+    elif machine in ("aarch64", "arm64"):
+        return "neon"  # Advanced SIMD with fused multiply-add is part of every ARMv8-A CPU
+    return "portable"
+
+
+def runs_here(variant: str) -> str:
+    """'' if this CPU runs ``variant``, else why not."""
+    best = cpu_variant()
+    order = ["portable", "avx2", "avx512"]
+    if variant == best or variant == "portable":
+        return ""
+    if variant in order and best in order and order.index(variant) < order.index(best):
+        return ""
+    return f"this CPU runs {best!r} kernels, not {variant!r}"
+
+
+def wanted() -> str | None:
+    """The variant :func:`load` loads by default (None: the C kernels are turned off)."""
+    v = os.environ.get(ENV, "").strip().lower()
+    if v == "0":
+        return None
+    return v if v in VARIANTS else cpu_variant()
+
+
+def _build(target: Path, cc: str, variant: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, *VARIANTS[variant], str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                           text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         os.replace(tmp, target)  # atomic: two processes building at once both end with a whole file
@@ -67,53 +136,155 @@ def _build(target: Path, cc: str) -> None:
             os.unlink(tmp)
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernels' library, building it on first use; None if it cannot be (see :func:`why_not`)."""
-    global _lib, _why, _tried
+def load(variant: str | None = None) -> ctypes.CDLL | None:
+    """The kernels' library of ``variant`` (default: :func:`wanted`), building it on first use;
+    None if it cannot be (see :func:`why_not`). ``lib.pc_variant()`` names the variant."""
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("PCACHE_RAG_KERNELS", "1") == "0":
-            _why = "PCACHE_RAG_KERNELS=0"
-            return None
-        cc = os.environ.get("CC") or "cc"
-        if shutil.which(cc) is None:
-            _why = f"no C compiler ({cc!r} is not on PATH)"
-            return None
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-        target = cache_home() / "kernels" / f"pcache-kernels-{key}.so"
-        try:
-            if not target.exists():
-                _build(target, cc)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _why = f"the decode kernels could not be built or loaded: {e}"
-            log.warning("%s; the fused decode step uses oneDNN's kernels", _why)
-            return None
-        vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.pc_gemv_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i32]
-        lib.pc_gemv_f32.argtypes = [vp, vp, vp, vp, i64, i64, i32]
-        lib.pc_gemv_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i32]
-        lib.pc_gemm_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
-        lib.pc_gemm_f32.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
-        lib.pc_gemm_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, i32]
-        lib.pc_scores.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, f32]
-        lib.pc_weighted_sum.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, vp, i64]
-        lib.pc_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, i64]
-        lib.pc_rmsnorm.argtypes = [vp, vp, vp, i64, f32]
-        lib.pc_silu_mul.argtypes = [vp, vp, i64]
-        for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
-                  lib.pc_gemm_int8, lib.pc_scores, lib.pc_weighted_sum,
-                  lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write):
-            f.restype = None
-        _lib = lib
-        return lib
+        if variant is None:
+            variant = wanted()
+            if variant is None:
+                _whys[""] = f"{ENV}=0"
+                return None
+        _whys[""] = ""
+        if variant not in _libs:
+            _libs[variant] = _load(variant)
+        if _libs[variant] is None:
+            _whys[""] = _whys[variant]
+        return _libs[variant]
+
+
+def _load(variant: str) -> ctypes.CDLL | None:
+    if variant not in VARIANTS:
+        _whys[variant] = f"no kernel variant {variant!r} (one of {', '.join(VARIANTS)})"
+        return None
+    why = runs_here(variant)
+    if why:
+        _whys[variant] = f"{ENV}={variant}, but {why}"
+        log.warning("%s; the fused decode step uses oneDNN's kernels", _whys[variant])
+        return None
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        _whys[variant] = f"no C compiler ({cc!r} is not on PATH)"
+        return None
+    flags = [*FLAGS, *VARIANTS[variant], platform.machine()]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_home() / "kernels" / f"pcache-kernels-{variant}-{key}.so"
+    try:
+        if not target.exists():
+            _build(target, cc, variant)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _whys[variant] = f"the {variant} decode kernels could not be built or loaded: {e}"
+        log.warning("%s; the fused decode step uses oneDNN's kernels", _whys[variant])
+        return None
+    vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.pc_variant.argtypes, lib.pc_variant.restype = [], ctypes.c_char_p
+    lib.pc_set_threads.argtypes, lib.pc_set_threads.restype = [i32], None
+    lib.pc_weighted_sum_scratch.argtypes, lib.pc_weighted_sum_scratch.restype = [i64, i64, i64, i64], i64
+    lib.pc_gemv_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i32]
+    lib.pc_gemv_f32.argtypes = [vp, vp, vp, vp, i64, i64, i32]
+    lib.pc_gemv_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i32]
+    lib.pc_gemm_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
+    lib.pc_gemm_f32.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
+    lib.pc_gemm_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, i32]
+    lib.pc_scores.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, f32]
+    lib.pc_weighted_sum.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, vp]
+    lib.pc_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, i64]
+    lib.pc_rmsnorm.argtypes = [vp, vp, vp, i64, f32]
+    lib.pc_silu_mul.argtypes = [vp, vp, i64]
+    for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
+              lib.pc_gemm_int8, lib.pc_scores, lib.pc_weighted_sum,
+              lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write):
+        f.restype = None
+    built = lib.pc_variant().decode()
+    if built != variant:
+        _whys[variant] = f"the library built as {variant!r} says it is {built!r}"
+        return None
+    _whys[variant] = ""
+    return lib
 
 
 def why_not() -> str:
-    """Why :func:`load` returned None ('' if it did not, or was not called)."""
-    return _why
+    """Why the last :func:`load` returned None ('' if it did not, or was not called)."""
+    return _whys.get("", "")
+
+
+class FreeCpus:
+    """How many threads the kernels should run on now: the CPUs this process may use, less the
+    CPU time other processes took over the last interval, at least one and at most ``cap()``
+    (the module docstring). Refitted at most every ``interval`` seconds; thread-safe."""
+
+    def __init__(self, interval: float = REFIT_S, stat: str = "/proc/stat") -> None:
+        self.interval, self.stat = interval, stat
+        try:
+            self.cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = list(range(os.cpu_count() or 1))
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._lock = threading.Lock()
+        self._last: tuple[float, float, float] | None = None  # (wall, busy jiffies of our CPUs, our CPU seconds)
+        self._n = 0
+        # torch's count now, before any decoding thread's team size is changed (see the module docstring)
+        self._torch = max(1, torch.get_num_threads())
+        #: other processes' load over the last interval, in CPUs (None: not measured yet)
+        self.others: float | None = None
+
+    def cap(self) -> int:
+        fixed = os.environ.get("PCACHE_RAG_DECODE_THREADS", "")
+        if fixed.isdigit() and int(fixed) > 0:
+            return int(fixed)
+        return max(1, min(self._torch, len(self.cpus)))
+
+    def _busy(self) -> float | None:
+        """Busy jiffies of our CPUs since boot (every field but idle and iowait), or None."""
+        want, total = {f"cpu{c}" for c in self.cpus}, 0
+        try:
+            with open(self.stat) as f:
+                for line in f:
+                    name, *fields = line.split()
+                    if name in want:
+                        v = [int(x) for x in fields[:8]]
+                        total += sum(v) - v[3] - v[4]
+        except (OSError, ValueError, IndexError):
+            return None
+        return float(total)
+
+    def __call__(self) -> int:
+        cap = self.cap()
+        if os.environ.get("PCACHE_RAG_DECODE_THREADS", "").isdigit() or cap == 1:
+            return cap
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last[0] < self.interval and self._n:
+                return min(self._n, cap)
+            busy, ours = self._busy(), time.process_time()
+            if busy is None:
+                self._n = cap
+                return cap
+            if self._last is not None and now > self._last[0]:
+                dt = now - self._last[0]
+                others = max(0.0, (busy - self._last[1]) / self.hz - (ours - self._last[2])) / dt
+                self.others = others
+                self._n = max(1, min(cap, int(len(self.cpus) - others + 0.5)))
+            else:
+                self._n = cap
+            self._last = (now, busy, ours)
+            return self._n
+
+
+_free = FreeCpus()
+
+
+def threads() -> int:
+    """How many threads the kernels run on now (:class:`FreeCpus`)."""
+    return _free()
+
+
+def fit_threads(lib: ctypes.CDLL) -> int:
+    """Set ``lib``'s thread count to :func:`threads` for the calls that follow; returns it."""
+    n = _free()
+    lib.pc_set_threads(n)
+    return n
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
@@ -180,12 +351,12 @@ class Attention:
     query heads each, head size ``D``), with its scratch: :meth:`__call__` attends the queries
     at ``q`` over the first ``n`` rows of a layer's key and value buffers (H, capacity, D)."""
 
-    def __init__(self, lib: ctypes.CDLL, H: int, G: int, D: int, threads: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, H: int, G: int, D: int) -> None:
         if D % 16 or D > MAX_HEAD_DIM or G > MAX_GROUP:
             raise ValueError(f"the attention kernel takes D a multiple of 16 up to {MAX_HEAD_DIM} and groups up to "
                              f"{MAX_GROUP}, not D={D}, G={G}")
-        self.lib, self.H, self.G, self.D, self.threads = lib, H, G, D, max(1, threads)
-        self.part = torch.empty(self.threads * H * G * D)
+        self.lib, self.H, self.G, self.D = lib, H, G, D
+        self.part = torch.empty(0)  # the weighted sum's per-block partials, grown with the keys
         self.scores = torch.empty(0)
 
     def check(self, keys: torch.Tensor, n: int) -> None:
@@ -202,11 +373,14 @@ class Attention:
         H, G, D = self.H, self.G, self.D
         if self.scores.numel() < H * G * n:
             self.scores = torch.empty(H * G * max(n * 2, 1024))
+        need = self.lib.pc_weighted_sum_scratch(H, G, D, n)
+        if self.part.numel() < need:
+            self.part = torch.empty(max(need * 2, self.lib.pc_weighted_sum_scratch(H, G, D, 1024)))
         sc = self.scores[: H * G * n]
         self.lib.pc_scores(qp, keys.data_ptr(), keys.stride(0), sc.data_ptr(), H, G, D, n, scale)
         p = torch.softmax(sc.view(H * G, n), -1)  # (H G, n), contiguous
         self.lib.pc_weighted_sum(p.data_ptr(), values.data_ptr(), values.stride(0), op, H, G, D, n,
-                                 self.part.data_ptr(), self.threads)
+                                 self.part.data_ptr())
 
 
 def rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
@@ -224,4 +398,5 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return out
 
 
-__all__ = ["Attention", "Gemv", "load", "rmsnorm", "silu_mul", "why_not"]
+__all__ = ["VARIANTS", "Attention", "FreeCpus", "Gemv", "cpu_flags", "cpu_variant", "fit_threads", "load", "rmsnorm",
+           "runs_here", "silu_mul", "threads", "wanted", "why_not"]
