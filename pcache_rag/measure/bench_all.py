@@ -638,15 +638,18 @@ def fig_decode(model_path, sz: Sizes, log) -> Figure:
     from .decode_bench import bench_decode
 
     res = bench_decode(model_path, new_tokens=sz.decode_new_tokens, doc_tokens=sz.decode_doc_tokens,
-                       repeats=sz.repeats, log=lambda *a: log("[decode]", *a))
+                       repeats=sz.repeats, busy=2, log=lambda *a: log("[decode]", *a))
     fig = Figure("decode", f"Decoding: ms a token and a whole answer ({sz.decode_new_tokens} new tokens)",
                  ["path", "TTFT ms", "ms a token", "floor ms", "x floor", "answer s", "answer speed-up",
-                  "tokens as transformers step"])
+                  "tokens as transformers step", "ms a token, 2 busy processes"])
     base = res["rows"][0]["answer_s"]
     for r in res["rows"]:
         same = f"{r['same_tokens']:.0%}" if "same_tokens" in r else ""
         fig.rows.append([r["name"], r["ttft_s"] * 1e3, r["ms_per_token"], r["floor_ms"],
-                         r["ms_per_token"] / r["floor_ms"], r["answer_s"], base / r["answer_s"], same])
+                         r["ms_per_token"] / r["floor_ms"], r["answer_s"], base / r["answer_s"], same,
+                         r["busy_ms_per_token"]])
+    fig.notes.append(f"{res['cpu']}. The last column times every row again beside two single-threaded busy-loop "
+                     "processes this run started.")
     fig.notes.append(f"A {res['doc_tokens']}-token document read from the cache and a question; every row decodes "
                      f"exactly {res['new_tokens']} tokens. The floor is the linear weights' bytes a token over the "
                      f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). The fused fp32 step "

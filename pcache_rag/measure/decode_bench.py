@@ -80,7 +80,7 @@ def cpu_line() -> str:
     want = kernels.wanted()
     forced = f" ({kernels.ENV}={want})" if kernels.os.environ.get(kernels.ENV) else ""
     return (f"CPU: {kernels.cpu_variant()} ({' '.join(feats) or 'no vector features reported'}); decode kernels: "
-            f"{want or 'off'}{forced}; {kernels.threads()} threads")
+            f"{want or 'off'}{forced}; {kernels.threads()} threads now")
 
 
 def step_floor(pc) -> tuple[float, float] | None:
@@ -109,6 +109,7 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
     linear_bytes = sum(x.weight.numel() * x.weight.element_size() for x in m.modules()
                        if isinstance(x, torch.nn.Linear))
     bw = read_bandwidth(linear_bytes)
+    cpu = cpu_line()  # before any busy process starts
     rows: list[dict] = []
 
     # stock transformers on the prompt's text: full prefill, its own cache
@@ -172,7 +173,7 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
                 r["busy_answer_s"] = whole
                 r["busy_threads"] = kernels.threads()
     base = rows[0]
-    log(cpu_line())
+    log(cpu)
     log(f"decode, one run: a {doc_tokens}-token document ({name}) and a question; {new_tokens} new tokens; "
         f"medians of {repeats}; read bandwidth {bw / 1e9:.1f} GB/s")
     log(f"{'':56} {'TTFT':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'answer':>8} {'vs stock':>9} "
@@ -199,7 +200,7 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
             log(f"{r['name']:56} " + " ".join(f"{t['ms_per_step']:6.1f}ms {t['tokens_per_s']:6.0f}/s {t['identical']:>7}"
                                              for t in r["together"]))
     return {"bandwidth_gb_s": bw / 1e9, "new_tokens": new_tokens, "doc_tokens": doc_tokens, "rows": rows,
-            "cpu": cpu_line(), "cpu_variant": kernels.cpu_variant(), "kernels": kernels.wanted(), "busy": busy}
+            "cpu": cpu, "cpu_variant": kernels.cpu_variant(), "kernels": kernels.wanted(), "busy": busy}
 
 
 def _together(pc, tok, doc_ids: list[int], counts, new_tokens: int, repeats: int) -> list[dict]:

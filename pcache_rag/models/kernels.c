@@ -162,12 +162,17 @@ static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to e
     return f;
 }
 
-/* a . b over K floats (K a multiple of 16), summed as the header says. */
-static inline float dot_f32(const float* a, const float* b, int64_t K) {
-    v16 acc = v16_zero();
-    for (int64_t k = 0; k < K; k += 16) acc = v16_fma(v16_f32(a + k), v16_f32(b + k), acc);
-    return v16_sum(acc);
-}
+/* w . x over K floats (K a multiple of 16) for one row w of each format, summed as the header
+ * says; dots_<fmt> below sums each of its rows exactly so. */
+#define PC_DOT(NAME, WT, WLOAD)                                                                       \
+    static inline __attribute__((always_inline)) float NAME(const WT* w, const float* x, int64_t K) { \
+        v16 acc = v16_zero();                                                                         \
+        for (int64_t k = 0; k < K; k += 16) acc = v16_fma(WLOAD(w + k), v16_f32(x + k), acc);         \
+        return v16_sum(acc);                                                                          \
+    }
+PC_DOT(dot_f32, float, v16_f32)
+PC_DOT(dot_bf16, uint16_t, v16_bf16)
+PC_DOT(dot_int8, int8_t, v16_i8)
 
 /* The products Y[M, N] = X[M, K] . W[N, K]^T (+ bias[N]), added to Y when ``add`` (a residual
  * connection); one token is M = 1. K a multiple of 16; W row-major. Each row of W is read from
@@ -220,6 +225,17 @@ static void gemm(int fmt, const void* W, const float* scale, const float* X, flo
         xs = xr;
     }
     int nt = pc_threads();
+    if (M == 1) {  /* one token: the dot product inlined in the row loop (a call a row costs ~10%) */
+        #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+        for (int64_t n = 0; n < N; n++) {
+            float v = fmt == 0 ? dot_f32((const float*)W + n * K, xs, K)
+                    : fmt == 1 ? round_bf16(dot_bf16((const uint16_t*)W + n * K, xs, K))
+                               : round_bf16(dot_int8((const int8_t*)W + n * K, xs, K) * scale[n]);
+            PC_STORE(Y, n, v);
+        }
+        free(xr);
+        return;
+    }
     #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t n = 0; n < N; n++) {
         float d[PC_MB];
