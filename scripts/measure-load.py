@@ -8,7 +8,8 @@ their questions at once over HTTP (k=2 retrieved chunks, greedy, 24 new tokens) 
 the streamed answers. Reports per mode and concurrency: throughput (answers/s and
 tokens/s), client-side TTFT p50/p95, the longest pause between two tokens of an answer
 (p95: what a burst's prefill costs the streams already running) and whether every answer
-equals its one-at-a-time answer.
+equals its one-at-a-time answer. ``--busy N`` times every level again beside N
+single-threaded busy-loop processes (a busy machine), on the same server in the same run.
 
     .venv/bin/python scripts/measure-load.py [--concurrency 1,16,64] [--max-batch 16]
 """
@@ -26,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from pcache_rag.measure.decode_bench import busy_processes
 
 
 def _port() -> int:
@@ -79,6 +82,8 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--batched-only", action="store_true", help="skip the queue (for tuning)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="time every level again beside N single-threaded busy processes this run starts")
     a = ap.parse_args()
 
     from pcache_rag.fsutil import cache_home
@@ -119,13 +124,14 @@ def main() -> int:
                 time.sleep(0.5)
             _ask(url, questions[0], a.max_tokens)  # warm: embedder, preamble states, first kernels
             rows = {}
-            for c in levels:
+            for c, load in [(c, "quiet") for c in levels] + [(c, "busy") for c in (levels if a.busy else [])]:
                 qs = questions[:c]
                 before = httpx.get(url + "/api/status", timeout=30).json().get("batch") or {}
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(c) as ex:
-                    got = list(ex.map(lambda q: _ask(url, q, a.max_tokens), qs))
-                wall = time.perf_counter() - t0
+                with busy_processes(a.busy if load == "busy" else 0):
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(c) as ex:
+                        got = list(ex.map(lambda q: _ask(url, q, a.max_tokens), qs))
+                    wall = time.perf_counter() - t0
                 after = httpx.get(url + "/api/status", timeout=30).json().get("batch") or {}
                 for q, g in zip(qs, got):
                     reference.setdefault(q, g[0])
@@ -148,8 +154,9 @@ def main() -> int:
                     row["scheduler"] = {"steps": steps, "busy_s": after["busy_s"] - before["busy_s"],
                                         "step_ms": 1000 * (after["busy_s"] - before["busy_s"]) / max(1, steps),
                                         "mean_batch": (after["decoded"] - before["decoded"]) / max(1, steps)}
-                rows[c] = row
-                print(f"{mode:8s} c={c:3d}: {row['answers_per_s']:.2f} answers/s, {row['tokens_per_s']:.1f} tokens/s, "
+                row["load"] = load
+                rows[c if load == "quiet" else f"{c} busy"] = row
+                print(f"{mode:8s} {load:5s} c={c:3d}: {row['answers_per_s']:.2f} answers/s, {row['tokens_per_s']:.1f} tokens/s, "
                       f"TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, wall {wall:.1f} s, "
                       f"identical to one at a time {same}/{c}; in the server: queued p50 "
                       f"{row['server_queued_p50_s']:.2f} s, TTFT after that p50 {row['server_ttft_p50_s']:.2f} s; "

@@ -173,3 +173,25 @@ def test_the_thread_count_follows_the_cpus_other_processes_leave_free(tmp_path, 
     monkeypatch.delenv("PCACHE_RAG_DECODE_THREADS")
     clock[0] += 1
     assert free() == 4, "no /proc/stat: the cap"
+
+
+def test_a_step_gives_the_threads_team_size_back(smol_tok, monkeypatch):
+    """The step's own count (here fixed at 1) holds for the step only: a prefill after it in the
+    same thread runs on the thread's own team size, since torch's products round differently on
+    another count (a (7, 576) x (576, 1536) product differs in its last bits between 1 and 2)."""
+    monkeypatch.setenv("PCACHE_RAG_DECODE_THREADS", "1")
+    model = tiny_model("llama", len(smol_tok), seed=7)
+    step, why = fused_step(model, adapter_for(model), smol_tok, "fp32")
+    assert step is not None and step.kernels == "c", why or step.kernels_why_not
+    from test_decode_step import TEXTS, _prefilled
+
+    ids = torch.tensor(smol_tok(TEXTS[0])["input_ids"])
+    _, cache, lg = _prefilled(model, ids, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step(int(lg.argmax()), ids.numel(), cache.layers)
+        assert step.threads == 1, "the step ran on the fixed count"
+        assert torch.get_num_threads() == 2, "and the thread's team size came back"
+    finally:
+        torch.set_num_threads(before)

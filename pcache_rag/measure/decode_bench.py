@@ -83,15 +83,19 @@ def cpu_line() -> str:
             f"{want or 'off'}{forced}; {kernels.threads()} threads now")
 
 
-def step_floor(pc) -> tuple[float, float] | None:
-    """``(floor ms a token, read GB/s)`` for ``pc``'s fused decode step: the bytes of weights one
-    token reads over this machine's read bandwidth, measured now (about a second); None when
-    the engine decodes with the stock step."""
+def step_floor(pc) -> tuple[float, float, float] | None:
+    """``(floor ms a token, read GB/s, ms a token per 1,000 cached positions)`` for ``pc``'s fused
+    decode step: the bytes of weights one token reads over this machine's read bandwidth,
+    measured now (about a second), and what attention's read of the float32 keys and values
+    adds for every 1,000 positions in the cache; None when the engine decodes with the stock
+    step."""
     step = getattr(pc.core.decoder, "step", None)
     if step is None:
         return None
     bw = read_bandwidth(max(step.nbytes, 256 << 20))
-    return step.nbytes / bw * 1e3, bw / 1e9
+    s = pc.core.adapter.kv_shape
+    kv_per_1000 = 1000 * s.n_layers * s.n_kv_heads * (s.head_dim + s.head_dim_v) * 4  # float32 rows
+    return step.nbytes / bw * 1e3, bw / 1e9, kv_per_1000 / bw * 1e3
 
 
 def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc_tokens: int = 1000,

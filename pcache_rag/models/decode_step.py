@@ -279,8 +279,8 @@ class FusedDecodeStep:
                 raise RuntimeError(f"cache layer {i} holds {layer.length} of {kb.shape[1]} rows; the step needs {n} "
                                    "and room for one more")
         if self._lib is not None:
-            self.threads = kernels.fit_threads(self._lib)
-            self._step_c(layers, n)
+            with kernels.Team(self._lib) as self.threads:
+                self._step_c(layers, n)
         else:
             self._step_torch(layers, n)
         for layer in layers:
@@ -329,9 +329,8 @@ class FusedDecodeStep:
         ``"c"``). The logits are scratch: read them before the next call."""
         if self._lib is None:
             raise RuntimeError(f"the fused step decodes several sequences on the C kernels only ({self.kernels_why_not})")
-        lib, attn, M = self._lib, self._attn, len(tokens)
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        hidden, eps, inter, scale = self._h.numel(), self.eps, self.inter, D ** -0.5
+        lib, M = self._lib, len(tokens)
+        H, Hkv, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self._h.numel(), self.inter
         if self._many is None or self._many[0].shape[0] < M:
             dims = (hidden, hidden, (H + 2 * Hkv) * D, H * D, 2 * inter, inter, self.head.out_features, D // 2, D // 2)
             self._many = [torch.empty(max(M, 4), d) for d in dims]  # (M, d) each
@@ -350,7 +349,17 @@ class FusedDecodeStep:
                                        f"the step needs {n} and room for one more")
                 self._readable(kb, vb, n)
             ns.append(n)
-        self.threads = kernels.fit_threads(lib)
+        with kernels.Team(lib) as self.threads:
+            self._many_c(M, h, x, qkv, att, gu, act, logits, cos, sin, seqs, ns)
+        for layers, n in zip(seqs, ns):
+            for layer in layers:
+                layer.set_length(n + 1)
+        return logits
+
+    def _many_c(self, M: int, h, x, qkv, att, gu, act, logits, cos, sin, seqs, ns) -> None:
+        lib, attn = self._lib, self._attn
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        hidden, eps, inter, scale = self._h.numel(), self.eps, self.inter, D ** -0.5
         hp, xp, qkvp, attp, gup, actp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
                                                      for t in (h, x, qkv, att, gu, act, cos, sin))  # each row's address
         qp = self._q.data_ptr()
@@ -373,10 +382,6 @@ class FusedDecodeStep:
         for i in range(M):
             lib.pc_rmsnorm(hp[i], self.norm.data_ptr(), xp[i], hidden, eps)
         self.head.gemv.raw_many(x.data_ptr(), logits.data_ptr(), M)  # type: ignore[union-attr]
-        for layers, n in zip(seqs, ns):
-            for layer in layers:
-                layer.set_length(n + 1)
-        return logits
 
     def _step_torch(self, layers, n: int) -> None:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim

@@ -18,7 +18,7 @@
  * no compiler fuses the other loops' multiply-adds differently per instruction set.
  *
  * Threads: every parallel loop runs on pc_threads() threads (pc_set_threads: kernels.py fits it
- * to the CPUs that are free, for the decoding thread's torch ops too) and splits its work in a way that does not depend on that count,
+ * to the CPUs that are free; pc_team gives a step's torch ops the same count) and splits its work in a way that does not depend on that count,
  * so the count changes speed, never a result. Rows of a product are independent; attention
  * sums its keys in fixed blocks (PC_KB), added in block order.
  *
@@ -52,13 +52,17 @@ const char* pc_variant(void) {
 
 static int pc_nthreads = 0; /* 0: the OpenMP default */
 
-/* How many threads the parallel loops use from now on (0 or less: the OpenMP default). It also
- * sets the calling thread's OpenMP team size, which torch's own parallel loops read (one
- * libgomp in the process), so the torch ops of a decode between two steps (sampling, softmax)
- * run on the same count instead of waiting at their barriers for a core that is not free. */
-void pc_set_threads(int n) {
-    __atomic_store_n(&pc_nthreads, n > 0 ? n : 0, __ATOMIC_RELAXED);
+/* How many threads the parallel loops use from now on (0 or less: the OpenMP default). */
+void pc_set_threads(int n) { __atomic_store_n(&pc_nthreads, n > 0 ? n : 0, __ATOMIC_RELAXED); }
+
+/* Sets the calling thread's OpenMP team size to n (n > 0) and returns the size it had. torch's
+ * own parallel loops read it (one libgomp in the process), so a step's torch ops (the softmax)
+ * run on the kernels' count for the step's duration; the caller gives the old size back after
+ * the step, because a prefill's products round differently on another count. */
+int pc_team(int n) {
+    int prev = omp_get_max_threads();
     if (n > 0) omp_set_num_threads(n);
+    return prev;
 }
 
 static inline int pc_threads(void) {

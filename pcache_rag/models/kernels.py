@@ -25,12 +25,14 @@ most every :data:`REFIT_S` seconds to the CPUs this process may use less the CPU
 processes took over the last interval (``/proc/stat``; :class:`FreeCpus`). On a busy machine a
 step then runs on the cores it can actually get instead of waiting at every loop's barrier for
 a thread the scheduler has parked; the split of work never depends on the count, so neither
-does a result. The count is also the decoding thread's OpenMP team size (torch and these
-kernels share one libgomp), so the torch ops between two steps (sampling, the softmax) follow
-it: on a busy machine they cost more than the step itself when they do not (measured, AVX-512,
-two busy processes: 59-67 ms a token with torch's ops on two threads, 24 ms on the fitted
-one). The most it uses is torch's thread count when this module was imported, and at most the
-CPUs this process may run on; ``PCACHE_RAG_DECODE_THREADS=N`` fixes the count.
+does a result. For the step's duration (:class:`Team`) the count is also the calling thread's
+OpenMP team size (torch and these kernels share one libgomp), so the step's torch ops follow
+it; on a busy machine they cost more than the kernels when they do not (AVX-512, two busy
+processes: 59-67 ms a token with torch's ops on two threads, 24 ms on the fitted one). The team
+size is given back after the step: torch's products round differently on another count, and a
+prefill in the same thread must not depend on the load. The most it uses is torch's thread
+count when this module was imported, and at most the CPUs this process may run on;
+``PCACHE_RAG_DECODE_THREADS=N`` fixes the count.
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
     vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.pc_variant.argtypes, lib.pc_variant.restype = [], ctypes.c_char_p
     lib.pc_set_threads.argtypes, lib.pc_set_threads.restype = [i32], None
+    lib.pc_team.argtypes, lib.pc_team.restype = [i32], i32
     lib.pc_weighted_sum_scratch.argtypes, lib.pc_weighted_sum_scratch.restype = [i64, i64, i64, i64], i64
     lib.pc_gemv_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i32]
     lib.pc_gemv_f32.argtypes = [vp, vp, vp, vp, i64, i64, i32]
@@ -280,11 +283,21 @@ def threads() -> int:
     return _free()
 
 
-def fit_threads(lib: ctypes.CDLL) -> int:
-    """Set ``lib``'s thread count to :func:`threads` for the calls that follow; returns it."""
-    n = _free()
-    lib.pc_set_threads(n)
-    return n
+class Team:
+    """``with Team(lib) as n:`` the kernels of ``lib`` and the calling thread's OpenMP team (torch's
+    ops) run on ``n`` = :func:`threads` threads; the team size the thread had comes back after."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib, self.n, self.prev = lib, 0, 0
+
+    def __enter__(self) -> int:
+        self.n = _free()
+        self.lib.pc_set_threads(self.n)
+        self.prev = self.lib.pc_team(self.n)
+        return self.n
+
+    def __exit__(self, *exc) -> None:
+        self.lib.pc_team(self.prev)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
@@ -398,5 +411,5 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return out
 
 
-__all__ = ["VARIANTS", "Attention", "FreeCpus", "Gemv", "cpu_flags", "cpu_variant", "fit_threads", "load", "rmsnorm",
-           "runs_here", "silu_mul", "threads", "wanted", "why_not"]
+__all__ = ["VARIANTS", "Attention", "FreeCpus", "Gemv", "cpu_flags", "cpu_variant", "load", "rmsnorm",
+           "runs_here", "silu_mul", "threads", "wanted", "why_not", "Team"]
