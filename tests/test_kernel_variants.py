@@ -113,7 +113,7 @@ def test_the_fused_step_decodes_the_same_logits_on_every_variant_and_thread_coun
         assert all(torch.equal(a, b) for a, b in zip(first, got)), k
 
 
-def test_the_variant_follows_the_cpu_and_is_forced_by_name(smol_tok, monkeypatch, tmp_path):
+def test_the_variant_follows_the_cpu_and_is_forced_by_name(smol_tok, monkeypatch, tmp_path, caplog):
     assert kernels.cpu_variant("fpu sse2 avx avx2 fma avx512f avx512bw", "x86_64") == "avx512"
     assert kernels.cpu_variant("fpu sse2 avx avx2 fma", "x86_64") == "avx2"
     assert kernels.cpu_variant("fpu sse2 avx", "x86_64") == "portable"
@@ -132,6 +132,10 @@ def test_the_variant_follows_the_cpu_and_is_forced_by_name(smol_tok, monkeypatch
         pc = PromptCache(tiny_model("llama", len(smol_tok), seed=7), smol_tok, encoding="isolated", store_dtype=None)
         assert pc.core.decode_path == "fused fp32 step (C kernels, avx2)"
         assert list((tmp_path / "kernels").glob("pcache-kernels-avx2-*.so"))
+    _fresh(monkeypatch, PCACHE_RAG_KERNELS="avx3")
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        assert kernels.wanted() == X86[0]
+    assert "'avx3' names no kernel variant" in caplog.text
     _fresh(monkeypatch, PCACHE_RAG_KERNELS="")
     monkeypatch.delenv("PCACHE_RAG_KERNELS")
     lib = kernels.load()

@@ -115,12 +115,23 @@ def runs_here(variant: str) -> str:
     return f"this CPU runs {best!r} kernels, not {variant!r}"
 
 
+_warned: set[str] = set()
+
+
 def wanted() -> str | None:
-    """The variant :func:`load` loads by default (None: the C kernels are turned off)."""
+    """The variant :func:`load` loads by default (None: the C kernels are turned off). A value
+    of ``PCACHE_RAG_KERNELS`` that names no variant is warned about, by name, once."""
     v = os.environ.get(ENV, "").strip().lower()
     if v == "0":
         return None
-    return v if v in VARIANTS else cpu_variant()
+    if v in VARIANTS:
+        return v
+    best = cpu_variant()
+    if v not in ("", "1", "auto") and v not in _warned:
+        _warned.add(v)
+        log.warning("%s=%r names no kernel variant (0, auto, or one of %s); using this CPU's %r", ENV, v,
+                    ", ".join(VARIANTS), best)
+    return best
 
 
 def _build(target: Path, cc: str, variant: str) -> None:
