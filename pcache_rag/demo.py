@@ -38,11 +38,11 @@ def _say_conditioning(rag) -> None:
         print(f"  this index was built before {have.spec} was installed and keeps {cond}; a new --index uses it")
 
 
-def _against(per_token: float, floor: tuple[float, float, float], positions: int) -> str:
+def _against(per_token: float, floor, positions: int) -> str:
     """How far a token's time is from the weights' floor, and from the floor with the keys and
-    values attention reads at this many cached positions."""
-    with_kv = floor[0] + floor[2] * positions / 1000
-    return f" ({per_token / floor[0]:.1f}x the weights' floor; {per_token / with_kv:.1f}x with the cache it reads)"
+    values attention reads at this many cached positions (``floor``: a :class:`~.measure.decode_bench.Floor`)."""
+    return (f" ({per_token / floor.weights_ms:.1f}x the weights' floor; "
+            f"{per_token / floor.with_cache_ms(positions):.1f}x with the cache it reads)")
 
 
 def run_demo(a) -> int:
@@ -59,9 +59,9 @@ def run_demo(a) -> int:
 
     floor = step_floor(pc)
     if floor is not None:
-        print(f"  the decode step's weight-streaming floor: {floor[0]:.1f} ms a token (its weights at this machine's "
-              f"{floor[1]:.1f} GB/s read bandwidth, measured now), plus {floor[2]:.1f} ms for every 1,000 cached "
-              "positions attention reads")
+        print(f"  the decode step's weight-streaming floor: {floor.weights_ms:.1f} ms a token (its weights at this "
+              f"machine's {floor.gb_s:.1f} GB/s read bandwidth, measured now), plus {floor.kv_ms_per_1000:.1f} ms for "
+              "every 1,000 cached positions attention reads")
     rag = CachedRAG(index, pc=pc, k=4)
     _say_conditioning(rag)
     rep = rag.ingest([corpus])

@@ -32,10 +32,13 @@ shows the AVX2 path on an AVX-512 machine).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -78,24 +81,33 @@ def cpu_line() -> str:
     flags = set(kernels.cpu_flags().split())
     feats = [f for f in ("avx512f", "avx512bw", "avx2", "fma", "asimd") if f in flags]
     want = kernels.wanted()
-    forced = f" ({kernels.ENV}={want})" if kernels.os.environ.get(kernels.ENV) else ""
+    forced = f" ({kernels.ENV}={want})" if os.environ.get(kernels.ENV) else ""
     return (f"CPU: {kernels.cpu_variant()} ({' '.join(feats) or 'no vector features reported'}); decode kernels: "
             f"{want or 'off'}{forced}; {kernels.threads()} threads now")
 
 
-def step_floor(pc) -> tuple[float, float, float] | None:
-    """``(floor ms a token, read GB/s, ms a token per 1,000 cached positions)`` for ``pc``'s fused
-    decode step: the bytes of weights one token reads over this machine's read bandwidth,
-    measured now (about a second), and what attention's read of the float32 keys and values
-    adds for every 1,000 positions in the cache; None when the engine decodes with the stock
-    step."""
+class Floor(NamedTuple):
+    """What one decoded token must read, as time at this machine's read bandwidth."""
+
+    weights_ms: float  # the decode step's weights
+    gb_s: float  # the read bandwidth it was measured at
+    kv_ms_per_1000: float  # attention's read of float32 keys and values, per 1,000 cached positions
+
+    def with_cache_ms(self, positions: int) -> float:
+        """The floor of a token attending to ``positions`` cached positions."""
+        return self.weights_ms + self.kv_ms_per_1000 * positions / 1000
+
+
+def step_floor(pc) -> Floor | None:
+    """The :class:`Floor` of ``pc``'s fused decode step, with the read bandwidth measured now
+    (about a second); None when the engine decodes with the stock step."""
     step = getattr(pc.core.decoder, "step", None)
     if step is None:
         return None
     bw = read_bandwidth(max(step.nbytes, 256 << 20))
     s = pc.core.adapter.kv_shape
     kv_per_1000 = 1000 * s.n_layers * s.n_kv_heads * (s.head_dim + s.head_dim_v) * 4  # float32 rows
-    return step.nbytes / bw * 1e3, bw / 1e9, kv_per_1000 / bw * 1e3
+    return Floor(step.nbytes / bw * 1e3, bw / 1e9, kv_per_1000 / bw * 1e3)
 
 
 def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc_tokens: int = 1000,
@@ -132,7 +144,7 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
 
     with torch.no_grad():
         m.generate(plain, max_new_tokens=2, **gen)
-    timers = [stock]
+    timers: list[Callable[[], tuple[float, float]]] = [stock]  # each row's (TTFT, whole answer) again
     rows.append(_row("transformers generate (fp32, full prefill)", *stock(), new_tokens, linear_bytes, bw))
     stock_tokens: list[int] | None = None
     for fmt, fused in ((None, False), (None, True), *((f, True) for f in formats)):
@@ -150,14 +162,15 @@ def bench_decode(model=None, formats=("int8", "bf16"), new_tokens: int = 64, doc
         segs = asm.message_segments(turns)
         asm.generate(segs, max_new_tokens=2)  # encodes the document once
 
-        def cached(asm=asm, segs=segs) -> tuple[float, float]:
-            outs = [asm.generate(segs, max_new_tokens=new_tokens).output for _ in range(repeats)]
-            cached.outs = outs  # type: ignore[attr-defined]
-            return statistics.median(o.ttft_s for o in outs), statistics.median(o.total_s for o in outs)
+        def answers(asm=asm, segs=segs) -> list:
+            return [asm.generate(segs, max_new_tokens=new_tokens).output for _ in range(repeats)]
 
-        ttft, whole = cached()
-        outs = cached.outs  # type: ignore[attr-defined]
-        timers.append(cached)
+        outs = answers()
+        ttft, whole = _medians(outs)
+        def again(answers=answers) -> tuple[float, float]:
+            return _medians(answers())
+
+        timers.append(again)
         nbytes = linear_bytes if fmt is None else rep.small_bytes  # type: ignore[union-attr]
         label = (f"pcache-rag, cached, fused step, {fmt or 'fp32'} weights" if fused
                  else "pcache-rag, cached, transformers step, fp32 weights")
@@ -233,6 +246,11 @@ def _together(pc, tok, doc_ids: list[int], counts, new_tokens: int, repeats: int
                     "tokens_per_s": m * new_tokens / wall,
                     "identical": f"{sum(o.token_ids == a for o, a in zip(outs, alone))}/{m}"})
     return out
+
+
+def _medians(outs: list) -> tuple[float, float]:
+    """The median TTFT and whole-answer seconds of ``outs``."""
+    return statistics.median(o.ttft_s for o in outs), statistics.median(o.total_s for o in outs)
 
 
 def _timed(fn) -> float:

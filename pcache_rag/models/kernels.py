@@ -75,7 +75,8 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}  # by variant, once tried
-_whys: dict[str, str] = {}
+_whys: dict[str, str] = {}  # why each variant tried could not be loaded ('' if it could)
+_last_why = ""  # why the last load() returned None
 
 
 def cpu_flags() -> str:
@@ -152,17 +153,16 @@ def _build(target: Path, cc: str, variant: str) -> None:
 def load(variant: str | None = None) -> ctypes.CDLL | None:
     """The kernels' library of ``variant`` (default: :func:`wanted`), building it on first use;
     None if it cannot be (see :func:`why_not`). ``lib.pc_variant()`` names the variant."""
+    global _last_why
     with _lock:
         if variant is None:
             variant = wanted()
             if variant is None:
-                _whys[""] = f"{ENV}=0"
+                _last_why = f"{ENV}=0"
                 return None
-        _whys[""] = ""
         if variant not in _libs:
             _libs[variant] = _load(variant)
-        if _libs[variant] is None:
-            _whys[""] = _whys[variant]
+        _last_why = _whys[variant] if _libs[variant] is None else ""
         return _libs[variant]
 
 
@@ -220,7 +220,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
 
 def why_not() -> str:
     """Why the last :func:`load` returned None ('' if it did not, or was not called)."""
-    return _whys.get("", "")
+    return _last_why
 
 
 class FreeCpus:
