@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .rag import CachedRAG, Index, IngestTooLargeError
     from .recompute import Recompute
 
+from . import openmp as _openmp  # noqa: F401  # first, before anything loads torch: OpenMP's short spin
+
 __version__ = "0.1.0"
 
 _LAZY = {"PromptCache": "engine", "Parts": "engine", "SamplingParams": "engine", "Generation": "engine", "GenerationOutput": "engine",

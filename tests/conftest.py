@@ -3,6 +3,8 @@ import sys
 
 import pytest
 
+import pcache_rag  # noqa: F401  # before torch, as a user would: it sets OpenMP's short spin
+
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -25,7 +25,7 @@ from .decode import Decoder, SamplingParams, eos_ids
 from .listeners import Listeners
 from .lock import EngineLock
 from .prefill import Prefiller
-from .threads import release_pool
+from .threads import check_spin, release_pool
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class EngineCore:
                  decode_weights: str | None = None, fused_decode: bool = True) -> None:
         self.model = model.eval()
         self.adapter = adapter_for(model)
+        #: how OpenMP's idle-worker spin was set ("pcache_rag", "user" or "too late": warned once)
+        self.openmp_spin = check_spin()
         self.max_positions: int = self.adapter.max_positions
         s = self.adapter.kv_shape
         cap = max_tokens or min(self.max_positions, 1024)

@@ -72,3 +72,24 @@ def release_pool() -> bool:
 def has_pool_release() -> bool:
     """Whether :func:`release_pool` can act in this process (PyTorch on a bundled libgomp)."""
     return _find() is not None
+
+
+_spin_warned = False
+
+
+def check_spin() -> str:
+    """How this process's OpenMP spin count was decided; warns once when it is libgomp's long default.
+
+    ``import pcache_rag`` before torch sets ``GOMP_SPINCOUNT=1000`` (:mod:`pcache_rag.openmp`);
+    when torch was imported first nothing can change it any more, and prefill beside busy processes
+    runs up to ~1.4x slower. Setting ``GOMP_SPINCOUNT`` (any value) yourself silences the warning.
+    """
+    global _spin_warned
+    from ..openmp import SPIN_SET_BY as how
+    if how == "too late" and not _spin_warned and has_pool_release():
+        _spin_warned = True
+        log.warning("torch was imported before pcache_rag, so OpenMP workers keep libgomp's default spin "
+                    "(~3 ms at every barrier), which slows prefill on a machine with other busy processes; "
+                    "import pcache_rag first or set GOMP_SPINCOUNT=1000 in the environment")
+    return how
+
