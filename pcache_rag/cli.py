@@ -319,8 +319,14 @@ def cmd_eval(a) -> int:
         return 2
     if a.what == "retrieval":
         n = 6 if a.quick else a.n
-        res = retrieval_recall(a.model, n=n, doc_tokens=a.doc_tokens, seed=a.seed, split=a.split, log=log)
-        log(f"inputs (split {a.split}): rag {res['inputs']}; McNemar p, hybrid vs dense: "
+        which = a.sets or ["rag"]
+        if len(which) != 1 or which[0] not in ("rag", "lookalike"):
+            print("pcache-rag: eval retrieval measures one end-to-end set: --sets rag or --sets lookalike",
+                  file=sys.stderr)
+            return 2
+        res = retrieval_recall(a.model, n=n, doc_tokens=a.doc_tokens, seed=a.seed, split=a.split, log=log,
+                               set_name=which[0])
+        log(f"inputs (split {a.split}): {which[0]} {res['inputs']}; McNemar p, hybrid vs dense: "
             + ", ".join(f"@{k} {p:.3g}" for k, p in res["mcnemar_p"].items()))
         if a.json:
             print(json.dumps({k: v for k, v in res.items()}, indent=2, default=str))
@@ -489,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
     q.add_argument("--recompute", default=None, metavar="POLICY",
-                   help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, all "
+                   help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, each:N, all "
                         "(default: the RAG default, match:1, unless the index is calibrated)")
     q.set_defaults(fn=cmd_ask)
 
@@ -528,12 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "questions they share")
     e.add_argument("files", nargs="*", help="compare: the eval checkpoints (eval quality --checkpoint FILE)")
     e.add_argument("--quick", action="store_true", help="a few questions per set (minutes): checks the harness")
-    e.add_argument("--n", type=_positive, default=75, help="questions per set (4 sets)")
+    e.add_argument("--n", type=_positive, default=75, help="questions per set (5 sets)")
     e.add_argument("--doc-tokens", type=_positive, default=400, help="tokens per document")
     e.add_argument("--k", type=_positive, default=4, help="documents per question")
     e.add_argument("--max-new-tokens", type=_positive, default=24)
     e.add_argument("--modes", nargs="+", default=None, help="full isolated preamble epic:K blend:R ...")
-    e.add_argument("--sets", nargs="+", default=None, choices=("plain", "competing", "cross", "rag"))
+    e.add_argument("--sets", nargs="+", default=None, choices=("plain", "competing", "cross", "rag", "lookalike"),
+                   help="retrieval: the end-to-end set whose recall is measured (rag or lookalike; default rag)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--split", choices=("reporting", "tuning"), default="reporting",
                    help="which draw of questions: choose settings on 'tuning', report on 'reporting' (disjoint)")

@@ -29,6 +29,12 @@ on top of the cached states recovers much of the lost quality:
   sentence shares a word. A few dozen tokens, chosen before the forward from text alone:
   it reads a document's states where a cached read goes wrong most, on the sentence a
   question asks about when a neighbour holds a sentence like it (issue 20's competing facts).
+* ``each:N``: the question's sentence and its look-alikes. In every context unit after the
+  first, the ``N`` sentences or lines sharing the most words with the question (at least one;
+  ties go to the shorter, then the earlier), cut as ``match:N`` cuts them. Where retrieval
+  brings several chunks that state the same kind of fact about other subjects (a catalogue,
+  a policy manual's sections), each chunk's own sentence of that shape is read in context,
+  not the asked one alone (issue 56). At most ``N`` x 64 tokens a unit.
 * ``all``: every context token (a correctness anchor: it equals a full causal
   prefill of the same tokens and positions).
 * ``Recompute.explicit(rows)``: the given cache rows (no string form). This is
@@ -61,7 +67,7 @@ import torch
 
 from .words import tokenize
 
-KINDS = ("none", "epic", "blend", "focus", "match", "all", "rows")
+KINDS = ("none", "epic", "blend", "focus", "match", "each", "all", "rows")
 #: ``focus``: a token's score is the best within this many tokens either side
 FOCUS_WINDOW = 4
 #: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
@@ -79,10 +85,10 @@ LEXICON_MEMO = 1024
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """A recompute policy; build one with :meth:`parse` (``"none"``, ``"epic:16"``,
-    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"match:1"``, ``"all"``)."""
+    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"match:1"``, ``"each:1"``, ``"all"``)."""
 
     kind: str = "none"
-    k: int = 0  # epic: tokens per unit; match: sentences
+    k: int = 0  # epic: tokens per unit; match: sentences; each: sentences a unit
     ratio: float = 0.0  # blend: fraction of candidate tokens
     check_layer: int = 1  # blend: the layer whose keys are compared
     rows: tuple[int, ...] = ()  # rows: the cache rows to recompute (see :meth:`explicit`)
@@ -107,7 +113,7 @@ class Recompute:
         try:
             if name in ("none", "all") and not arg:
                 return cls(name)
-            if name in ("epic", "match") and arg:
+            if name in ("epic", "match", "each") and arg:
                 k = int(arg)
                 if k < 1:
                     raise ValueError
@@ -126,12 +132,12 @@ class Recompute:
         except ValueError:
             pass
         raise ValueError(
-            f"recompute must be 'none', 'all', 'epic:K' or 'match:N' (K, N >= 1), 'blend:R' / "
+            f"recompute must be 'none', 'all', 'epic:K', 'match:N' or 'each:N' (K, N >= 1), 'blend:R' / "
             f"'blend:R@LAYER' or 'focus:R' (0 < R <= 1), not {spec!r}"
         )
 
     def __str__(self) -> str:
-        if self.kind in ("epic", "match"):
+        if self.kind in ("epic", "match", "each"):
             return f"{self.kind}:{self.k}"
         if self.kind == "blend":
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
@@ -270,6 +276,23 @@ def match_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
     return sorted(r for i in chosen for r in range(cands[i][0], cands[i][1]))
 
 
+def each_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
+    """Cache rows of ``each:n``: in every unit after the first, the ``n`` sentences sharing the most
+    words with the question ``new_ids`` (at least one word; ties go to the shorter, then the
+    earlier). In cache order."""
+    want = lexicon.words(new_ids)
+    if not want or len(kvs) < 2:
+        return []
+    rows: list[int] = []
+    off = kvs[0].length
+    for kv in kvs[1:]:
+        ranked = sorted((-len(want & w), e - s, s, e) for s, e, w in lexicon.segments(kv.token_ids) if want & w)
+        picked = sorted((s, e) for _, _, s, e in ranked[:n])
+        rows.extend(off + r for s, e in picked for r in range(s, e))
+        off += kv.length
+    return rows
+
+
 def recompute_mask(base: torch.Tensor, C: int, rows: torch.Tensor) -> torch.Tensor:
     """The (nS + q, C + nS + q) mask of a forward whose query is the ``rows`` (nS,) of the
     cache, recomputed, followed by the q new tokens whose own mask is ``base`` (q, C + q).
@@ -359,12 +382,13 @@ def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), ne
         return list(range(sum(lengths)))
     if policy.kind == "epic":
         return epic_rows(lengths, policy.k)
-    if policy.kind == "match":
+    if policy.kind in ("match", "each"):
         if lexicon is None:
-            raise ValueError("recompute 'match' compares words: give select_rows the engine's Lexicon")
+            raise ValueError(f"recompute '{policy.kind}' compares words: give select_rows the engine's Lexicon")
         if not new_ids:
-            raise ValueError("recompute 'match' ranks context by the new tokens' words; this prompt has none")
-        return match_rows(lexicon, kvs, list(new_ids), policy.k)
+            raise ValueError(f"recompute '{policy.kind}' ranks context by the new tokens' words; this prompt has none")
+        rank = match_rows if policy.kind == "match" else each_rows
+        return rank(lexicon, kvs, list(new_ids), policy.k)
     if policy.kind == "focus":
         return blend_rows(focus_scores(question_attention(adapter, workspace, kvs, list(new_ids), list(new_pos))),
                           lengths, policy.ratio)

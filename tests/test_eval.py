@@ -3,6 +3,7 @@ numbers are finite and consistent, and the Markdown table and PNG plot are writt
 
 import json
 import math
+import re
 
 import pytest
 
@@ -95,7 +96,7 @@ def test_quick_eval_writes_a_finite_report(smol_dir, tmp_path, capsys):
                 assert math.isfinite(r[key]), (mode, key)
         assert rows["full"]["agreement"] == 1.0 and rows["preamble"]["recomputed_fraction"] == 0.0
         assert 0 < rows["epic:8"]["recomputed_fraction"] < rows["epic:32"]["recomputed_fraction"] < 1
-    assert (out / "quality.md").read_text().count("| mode |") == 4
+    assert (out / "quality.md").read_text().count("| mode |") == len(SETS)
     assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -168,13 +169,14 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
             holders = sum(any(f in d for f in q.facts) for d in q.docs)
             assert holders == len(q.facts) and len(answer) == sum(
                 n for d, n in zip(q.docs, lengths[1:]) if any(f in d for f in q.facts))
-    with pytest.raises(ValueError, match="oracle:fact.*synthetic sets only"):
+    with pytest.raises(ValueError, match="oracle:facts.*end-to-end sets only"):
         run_eval(model_path=None, modes=("full",) + ORACLE_MODES, sets=("plain", "rag"), out_dir=None)
 
 
 def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
-    from pcache_rag.measure.quality import ORACLE_MODES, run_eval, write_report
+    from pcache_rag.measure.quality import run_eval, write_report
 
+    ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")  # oracle:facts: the end-to-end sets only
     modes = ("full", "preamble") + ORACLE_MODES
     s = run_eval(model_path=smol_dir, n=1, doc_tokens=48, max_new_tokens=2, modes=modes, sets=("cross",),
                  out_dir=None, log=lambda *a: None)
@@ -346,3 +348,75 @@ def test_question_template_replaces_the_text_after_the_documents(smol_dir, smol_
         run_eval(**{**kw, "sets": ("plain", "rag"), "question_template": "llamaindex"})
     with pytest.raises(ValueError, match="placeholder"):
         run_eval(**{**kw, "question_template": "Query: "})
+
+
+def test_the_lookalike_set_tells_one_sentence_shape_of_many_places(smol_tok, tmp_path):
+    """Issue 56's corpus: every file holds one planted fact, each of the four sentence shapes is a
+    quarter of the files, so a question's place has look-alikes about other places; the filler
+    comes from two styles; the set is seeded and its splits share no place and no text."""
+    from pcache_rag.measure.quality import FILLERS, Filler, lookalike_corpus
+
+    qs, files, corpus = lookalike_corpus(smol_tok, tmp_path / "a", 8, 96, seed=0)
+    again, files2, _ = lookalike_corpus(smol_tok, tmp_path / "b", 8, 96, seed=0)
+    assert inputs_hash(qs, files) == inputs_hash(again, files2)
+    assert sorted(p.name for p in corpus.iterdir()) == sorted(files) and len(files) == 8
+    shapes = [q.kind for q in qs]
+    assert shapes == ["time", "count", "code", "year"] * 2
+    for i, q in enumerate(qs):
+        text = files[f"facts-{i:04d}.txt"]
+        assert len(q.facts) == 1 and q.facts[0] in text and q.answer in q.facts[0]
+        assert sum(f in text for qq in qs for f in qq.facts) == 1  # one planted fact a file
+        twin = qs[(i + 4) % 8]  # the same shape about another place: only the place and the value differ
+        assert twin.kind == q.kind and twin.question != q.question
+    styles = {src: smol_tok.decode(Filler(smol_tok, 96, src).ids) for src in FILLERS}
+    assert "License" in styles["legal"] and "License" not in styles["docs"][:20000]
+    for i, q in enumerate(qs):  # files 0-3 cut from the documentation, 4-7 from the legal prose
+        longest = max(files[f"facts-{i:04d}.txt"].replace(q.facts[0], "").split("\n"), key=len)
+        assert len(longest) > 20
+        assert (longest in styles["legal"]) == (i >= 4) and (longest in styles["docs"]) == (i < 4), i
+    tune, tfiles, _ = lookalike_corpus(smol_tok, tmp_path / "t", 8, 96, seed=0, split="tuning")
+    places = lambda qq: {re.findall(r"\b[A-Z][a-z]+\b", q.question)[1] for q in qq}  # noqa: E731
+    assert not {q.question for q in qs} & {q.question for q in tune}
+    assert not set(files.values()) & set(tfiles.values())
+    assert len(places(qs)) == 8 and not places(qs) & places(tune)
+
+
+def test_rag_oracle_rows_are_the_planted_sentences_of_the_retrieved_chunks(smol_tok):
+    """On an end-to-end set an oracle finds its rows in each chunk's own tokens: ``oracle:fact``
+    the question's sentence, ``oracle:facts`` every planted sentence of every chunk."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pcache_rag.measure.quality import Question, rag_oracle_rows
+
+    def unit(text):
+        ids = smol_tok(text, add_special_tokens=False)["input_ids"]
+        return ("u", SimpleNamespace(length=len(ids), token_ids=torch.tensor(ids)))
+
+    facts = ["The last ferry from Ashford leaves at 17:30.", "The last ferry from Penwick leaves at 09:05."]
+    parts = [unit("System: answer.\n"), unit("Some filler about modules.\n" + facts[1] + "\nMore filler."),
+             unit("Other text.\n" + facts[0] + "\nThe end.")]
+    q = Question([], "At what time does the last ferry from Ashford leave?", "17:30", "time", [facts[0]])
+    ids = [int(i) for _, kv in parts for i in kv.token_ids]
+    one = rag_oracle_rows(smol_tok, "oracle:fact", parts, q, set(facts))
+    every = rag_oracle_rows(smol_tok, "oracle:facts", parts, q, set(facts))
+    assert facts[0] in smol_tok.decode([ids[r] for r in one]) and facts[1] not in smol_tok.decode([ids[r] for r in one])
+    text = smol_tok.decode([ids[r] for r in every])
+    assert all(f in text for f in facts) and set(one) < set(every)
+    assert min(every) >= parts[0][1].length and len(every) < 0.8 * (len(ids) - parts[0][1].length)
+    answer = rag_oracle_rows(smol_tok, "oracle:answer", parts, q, set(facts))
+    assert answer == list(range(len(ids) - parts[2][1].length, len(ids)))
+
+
+def test_the_lookalike_set_runs_end_to_end_with_its_oracles(smol_dir, tmp_path):
+    from pcache_rag.measure.quality import run_eval
+
+    modes = ("full", "preamble", "oracle:facts", "match:1")
+    s = run_eval(model_path=smol_dir, n=2, doc_tokens=48, k=2, max_new_tokens=2, modes=modes, sets=("lookalike",),
+                 out_dir=None, log=lambda *a: None, workdir=tmp_path)
+    rows = s["sets"]["lookalike"]
+    assert set(rows) == set(modes) and all(r["n"] == 2 for r in rows.values())
+    assert rows["preamble"]["recomputed_fraction"] == 0.0
+    assert 0 < rows["oracle:facts"]["recomputed_fraction"] < 0.6
+    assert (tmp_path / "lookalike" / "corpus").is_dir() and s["input_hashes"]["lookalike"]

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from helpers import WINDOWED, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
-from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, epic_rows, focus_scores, match_rows,
+from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, each_rows, epic_rows, focus_scores, match_rows,
                                   question_attention, recompute_mask, select_rows)
 from pcache_rag.engine import Parts
 
@@ -302,18 +302,47 @@ def test_lexicon_cuts_sentences_and_lines_on_token_boundaries(smol_tok):
     assert lx.segments(torch.tensor(ids)) is segs, "a unit's pieces are kept, whichever form its ids take"
 
 
+def _sentences(tok, texts: list[str], question: str):
+    """An engine, the contiguous parts of ``texts`` with ``question``, their states, and each
+    cut sentence's text (after the first unit) -> its (first, end) rows in the assembled context."""
+    pc = PromptCache(sharp_model("llama", len(tok), seed=3), tok, encoding="isolated", store_dtype=None)
+    parts, new = contiguous_parts(pc, texts, question)
+    kvs = [kv for _, kv in parts]
+    seg = {tok.decode(kv.token_ids[s:e].tolist()).strip(): (sum(k.length for k in kvs[:i]) + s,
+                                                            sum(k.length for k in kvs[:i]) + e)
+           for i, kv in enumerate(kvs) if i for s, e, _ in pc.prefiller.lexicon.segments(kv.token_ids)}
+    return pc, parts, new, kvs, seg
+
+
+def test_each_reads_every_units_look_alike_sentence_in_context(smol_tok):
+    """``each:1`` takes, in every unit after the first, its sentence sharing the most words with
+    the question: the asked sentence and its look-alikes about other places; a unit sharing no
+    word gives nothing; it parses, prints and recomputes exactly those rows."""
+    pc, parts, new, kvs, seg = _sentences(smol_tok, [
+        "You answer questions.",
+        "Tea is hot. The last ferry from Penwick leaves at 09:05. Time is short.",
+        "Maps are old. The last ferry from Ashford leaves at 17:30. Snow is cold.",
+        "Nothing here is shared at all."], " At what time does the last ferry from Ashford leave?")
+    twin, asked = seg["The last ferry from Penwick leaves at 09:05."], seg["The last ferry from Ashford leaves at 17:30."]
+    assert each_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*twin)) + list(range(*asked))
+    assert match_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*asked)), "match:1 reads the asked one alone"
+    assert each_rows(pc.prefiller.lexicon, kvs, new, 2) == list(range(*twin)) + list(range(*seg["Time is short."])) \
+        + list(range(*asked)), "each:2 adds a unit's next sentence that shares a word (time), in cache order"
+    assert str(Recompute.parse("each:2")) == "each:2"
+    with pytest.raises(ValueError, match="each:N"):
+        Recompute.parse("each:0")
+    res = pc.prefill(Parts(parts, new), recompute="each:1")
+    assert res.recomputed_tokens == (twin[1] - twin[0]) + (asked[1] - asked[0])
+
+
 def test_match_chains_to_the_sentence_the_first_one_names(smol_tok):
     """``match:2`` takes the sentence richest in the question's words, then the one that shares
     most with the question and that sentence (the second hop); a question sharing no word
     recomputes nothing, and ``match`` without new tokens or a lexicon is refused by name."""
-    pc = PromptCache(sharp_model("llama", len(smol_tok), seed=3), smol_tok, encoding="isolated", store_dtype=None)
-    texts = ["You answer questions.", "Weather is mild. Mira Holt works for Zentrix Labs. Tea is hot.",
-             "Zentrix Labs is based in Oslo. Brightway is based in Lima. Mira Holt likes rain."]
-    parts, new = contiguous_parts(pc, texts, " Where is the company that Mira Holt works for based?")
-    kvs = [kv for _, kv in parts]
-    seg = {smol_tok.decode(kv.token_ids[s:e].tolist()).strip(): (sum(k.length for k in kvs[:i]) + s,
-                                                                   sum(k.length for k in kvs[:i]) + e)
-           for i, kv in enumerate(kvs) if i for s, e, _ in pc.prefiller.lexicon.segments(kv.token_ids)}
+    pc, parts, new, kvs, seg = _sentences(smol_tok, [
+        "You answer questions.", "Weather is mild. Mira Holt works for Zentrix Labs. Tea is hot.",
+        "Zentrix Labs is based in Oslo. Brightway is based in Lima. Mira Holt likes rain."],
+        " Where is the company that Mira Holt works for based?")
     first, hop = seg["Mira Holt works for Zentrix Labs."], seg["Zentrix Labs is based in Oslo."]
     assert match_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*first))
     assert match_rows(pc.prefiller.lexicon, kvs, new, 2) == list(range(*first)) + list(range(*hop))

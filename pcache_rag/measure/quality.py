@@ -12,7 +12,13 @@ documents, so two runs can be checked for identical inputs. Two disjoint draws o
 * ``competing``: the distractors state facts of the same form about other subjects;
 * ``cross``: the answer needs two documents (who works where + where that company sits);
 * ``rag``: end to end through :class:`~pcache_rag.rag.CachedRAG` on an ingested corpus of
-  planted-fact files, retrieval included.
+  planted-fact files, retrieval included;
+* ``lookalike``: end to end too, over a corpus where every file holds one fact of one of four
+  sentence shapes (a departure time, a count, a code, a year), each shape told of many places, in
+  filler of two styles (the documentation pages, and the legal prose of free-software licences:
+  ``eval-filler-legal.json.gz``). A question names a place, so retrieval brings back several
+  files with the same sentence about other places (issue 56): a policy manual's sections, a
+  catalogue, a ticket archive.
 
 Every mode answers the same questions in one run: full prefill of the same text (the
 baseline), cached ``isolated``, cached ``preamble``, ``epic:K`` and ``blend:R`` (on the
@@ -29,7 +35,12 @@ recomputes, on the preamble encoding, rows chosen with knowledge of the answer:
 * ``oracle:fact``: the planted fact sentences the answer needs, ±2 tokens (about 1% of the
   context). This is the best a selector at that budget could do;
 * ``oracle:answer``: every token of the documents that hold those facts;
-* ``oracle:others``: every token of the other documents.
+* ``oracle:others``: every token of the other documents;
+* ``oracle:facts``: every planted fact sentence of every document in the prompt, the answer's
+  and its look-alikes' (±2 tokens).
+
+On the end-to-end sets an oracle goes after a conditioned encoding too (``cond:learned+oracle:fact``:
+the RAG default's states, with those rows recomputed instead of ``match:1``'s).
 """
 
 from __future__ import annotations
@@ -47,7 +58,9 @@ from pathlib import Path
 
 from ..engine import Parts
 
-SETS = ("plain", "competing", "cross", "rag")
+SETS = ("plain", "competing", "cross", "rag", "lookalike")
+#: the sets answered end to end through CachedRAG (retrieval, stored states, its prompt layout)
+RAG_SETS = ("rag", "lookalike")
 #: disjoint question draws: settings are chosen on ``tuning`` and reported on ``reporting``.
 #: Each split has its own generator seed, fact subjects and filler passages.
 SPLITS = {"reporting": {"seed": 0, "subject": 0, "passage": 0},
@@ -65,7 +78,7 @@ OWN_MODES = ("own-system", "full-own-system")
 REORDERED = "full-reordered"
 #: the modes that prefill everything (no states read)
 FULL_MODES = ("full", REORDERED, "full-own-system")
-ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")
+ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others", "oracle:facts")
 #: conditioned encoding (``cond:N``: each document encoded after the preamble and N neutral
 #: passages; see :mod:`pcache_rag.docmodules`), read from the cache with nothing recomputed
 #: ``cond:corpus`` conditions on one passage drawn from the eval's own filler corpus instead
@@ -129,7 +142,7 @@ def encoding_of(mode: str) -> str:
 def _cached_request_policy(mode: str) -> tuple[str, str | None]:
     """``(recompute, calibration)`` of a cached mode's request."""
     base, cal = split_mode(mode)
-    if "+" in base:  # a recompute policy on conditioned states
+    if "+" in base:  # a recompute policy (or an oracle's rows) on conditioned states
         return base.partition("+")[2], cal
     return ("none" if base in ("isolated", "preamble", "own-system") + COND_MODES else base), cal
 
@@ -202,27 +215,66 @@ def _fact(r: random.Random, i: int) -> tuple[str, str, str, str]:
             f"How many {item} does the warehouse in {city} hold?", str(n))
 
 
+#: the ``lookalike`` set's place names: every head with every tail (360), half to each split
+_LA_HEADS = ("Ash", "Bel", "Cal", "Dun", "Eld", "Fen", "Glen", "Hal", "Ivy", "Kel", "Lor", "Mar", "Nor", "Orr",
+             "Pen", "Rav", "Sel", "Tor", "Ul", "Ver", "Wyn", "Yar", "Bram", "Cor", "Dal", "Ems", "Gil", "Hol",
+             "Kir", "Lin")
+_LA_TAILS = ("ford", "mere", "wick", "haven", "stead", "by", "ton", "moor", "bridge", "field", "combe", "holt")
+LOOKALIKE_PLACES = len(_LA_HEADS) * len(_LA_TAILS) // 2  # per split
+#: the four sentence shapes, each told of many places: (kind, fact, question); {p} the place, {v} the value
+_LA_TEMPLATES = (
+    ("time", "The last ferry from {p} leaves at {v}.", "At what time does the last ferry from {p} leave?"),
+    ("count", "The museum of {p} keeps {v} old maps in its collection.", "How many old maps does the museum of {p} keep?"),
+    ("code", "The gate code of the depot in {p} is {v}.", "What is the gate code of the depot in {p}?"),
+    ("year", "The lighthouse at {p} was built in {v}.", "In which year was the lighthouse at {p} built?"),
+)
+
+
+def lookalike_place(i: int) -> str:
+    """Place name number ``i`` (0 to 359; each split takes its own half)."""
+    return _LA_HEADS[i % len(_LA_HEADS)] + _LA_TAILS[(i // len(_LA_HEADS)) % len(_LA_TAILS)]
+
+
+def _lookalike_fact(r: random.Random, i: int, place: int) -> tuple[str, str, str, str]:
+    """(kind, fact sentence, question, answer) of file ``i``: shape ``i % 4``, place number ``place``."""
+    kind, fact, question = _LA_TEMPLATES[i % len(_LA_TEMPLATES)]
+    if kind == "time":
+        v = f"{r.randint(5, 23):02d}:{r.choice(range(0, 60, 5)):02d}"
+    elif kind == "count":
+        v = str(r.randint(110, 4900))
+    elif kind == "code":
+        v = f"{r.choice(string.ascii_uppercase)}{r.randint(1, 9)}{r.choice(string.ascii_uppercase)}-{r.randint(10, 99)}"
+    else:
+        v = str(r.randint(1801, 1989))
+    p = lookalike_place(place)
+    return kind, fact.format(p=p, v=v), question.format(p=p), v
+
+
 FILLER = Path(__file__).resolve().parents[1] / "data" / "eval-filler.json.gz"
+#: the filler sources: standard-library documentation (every set), and legal prose (the licence texts
+#: of ``scripts/make-eval-filler-legal.py``; the ``lookalike`` set's second style, on which nothing
+#: here was tuned or learned)
+FILLERS = {"docs": FILLER, "legal": FILLER.with_name("eval-filler-legal.json.gz")}
 
 
-def filler_pages() -> list[str]:
-    """The shipped documentation pages the eval's documents are cut from, in a fixed order."""
+def filler_pages(source: str = "docs") -> list[str]:
+    """The shipped pages of filler ``source`` (:data:`FILLERS`) the eval's documents are cut from, in a fixed order."""
     import gzip
 
-    with gzip.open(FILLER, "rt", encoding="utf-8") as f:
+    with gzip.open(FILLERS[source], "rt", encoding="utf-8") as f:
         pages = json.load(f)["pages"]
     return [pages[name] for name in sorted(pages)]
 
 
 class Filler:
-    """Passages of real documentation text, ``doc_tokens`` model tokens each."""
+    """Passages of real text of one ``source`` (:data:`FILLERS`), ``doc_tokens`` model tokens each."""
 
-    def __init__(self, tokenizer, doc_tokens: int):
+    def __init__(self, tokenizer, doc_tokens: int, source: str = "docs"):
         from ..tokens import safe_tokenizer
 
         st = safe_tokenizer(tokenizer)
         ids: list[int] = []
-        for text in filler_pages():
+        for text in filler_pages(source):
             ids.extend(st.text(text)[:6000])
         self.tokenizer, self.ids, self.n = tokenizer, ids, doc_tokens
 
@@ -468,10 +520,10 @@ class _Synthetic:
             parts.append((f"d{j}", kv))
             pos += kv.length
         recompute, cal = _cached_request_policy(mode)
-        if mode in ORACLE_MODES:
+        if recompute in ORACLE_MODES:
             from ..recompute import Recompute
 
-            recompute = Recompute.explicit(self.oracle_rows(mode, q, [kv.length for _, kv in parts]))
+            recompute = Recompute.explicit(self.oracle_rows(recompute, q, [kv.length for _, kv in parts]))
         return Parts(parts, self.q_ids(q.question), "preamble", cal), recompute
 
     def oracle_rows(self, mode: str, q: Question, lengths: list[int]) -> list[int]:
@@ -516,7 +568,7 @@ def rag_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: st
     for i in range(n):
         kind, fact, q, a = _fact(r, sp["subject"] + 500 + i)
         files[f"facts-{i:04d}.txt"] = _plant(fill.passage(sp["passage"] + 40_000 + i), fact, r)
-        qs.append(Question([], q, a, kind))
+        qs.append(Question([], q, a, kind, [fact]))
     for i in range(n):
         files[f"manual-{i:04d}.txt"] = fill.passage(sp["passage"] + 50_000 + i)
     for name, text in files.items():
@@ -524,14 +576,44 @@ def rag_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: st
     return qs, files, corpus
 
 
+def lookalike_corpus(tok, workdir: Path, n: int, doc_tokens: int, seed: int, split: str = "reporting"):
+    """The ``lookalike`` set's files, written to ``workdir/corpus``: ``n`` files (``facts-NNNN.txt``),
+    each a passage of filler with one planted fact at a random line, and a question about each.
+    File ``i`` states shape ``i % 4`` (:data:`_LA_TEMPLATES`) of its own place, so each shape is a
+    quarter of the corpus; its filler is documentation or legal prose, by turns of four files.
+    Returns ``(questions, files, corpus folder)``; every question's ``facts`` holds its sentence."""
+    if n > LOOKALIKE_PLACES:
+        raise ValueError(f"the lookalike set has {LOOKALIKE_PLACES} places a split, not {n}")
+    sp = _split(split)
+    r = random.Random(seed + 2 + sp["seed"])
+    fills = {src: Filler(tok, doc_tokens, src) for src in FILLERS}
+    first = 0 if split == "reporting" else LOOKALIKE_PLACES
+    places = r.sample(range(first, first + LOOKALIKE_PLACES), n)
+    corpus = workdir / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    qs, files = [], {}
+    for i in range(n):
+        kind, fact, q, a = _lookalike_fact(r, i, places[i])
+        src = ("docs", "legal")[(i // 4) % 2]
+        files[f"facts-{i:04d}.txt"] = _plant(fills[src].passage(sp["passage"] + 70_000 + i), fact, r)
+        qs.append(Question([], q, a, kind, [fact]))
+    for name, text in files.items():
+        (corpus / name).write_text(text)
+    return qs, files, corpus
+
+
+#: each end-to-end set's corpus
+RAG_CORPORA = {"rag": rag_corpus, "lookalike": lookalike_corpus}
+
+
 def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
-             encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None):
-    """An ingested corpus of planted-fact files (one per question, plus plain files), a
+             encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None, set_name: str = "rag"):
+    """An ingested corpus of planted-fact files (:data:`RAG_CORPORA` of ``set_name``), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
     from ..models.fast_decode import installed_format
     from ..rag import CachedRAG, Index
 
-    qs, files, corpus = rag_corpus(tok, workdir, n, doc_tokens, seed, split)
+    qs, files, corpus = RAG_CORPORA[set_name](tok, workdir, n, doc_tokens, seed, split)
     rags = {}
     for enc in sorted(set(encodings) | {"preamble"}):
         folder = workdir / f"index-{enc.replace(':', '')}"
@@ -549,10 +631,54 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
     return qs, rags, inputs_hash(qs, files)
 
 
-def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
+def _sentence_rows(tok, ids: list[int], text: str, sentence: str) -> range | None:
+    """The token rows of ``sentence`` in a unit whose tokens ``ids`` decode to ``text``, ±
+    :data:`ORACLE_MARGIN` (a token at its edge may hold a neighbour's characters too); None where
+    it is not there. Found by bisecting on the length of decoded prefixes."""
+    at = text.find(sentence)
+    if at < 0:
+        return None
+
+    def first_past(c: int) -> int:  # the fewest tokens whose decoded text is longer than c characters
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tok.decode(ids[:mid], skip_special_tokens=True)) > c:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    t0, t1 = first_past(at) - 1, first_past(at + len(sentence) - 1)
+    return range(max(0, t0 - ORACLE_MARGIN), min(len(ids), t1 + ORACLE_MARGIN))
+
+
+def rag_oracle_rows(tok, oracle: str, parts: list, q: Question, planted: set[str]) -> list[int]:
+    """The cache rows an oracle mode recomputes over a CachedRAG prompt's ``parts`` (the preamble
+    first, then a retrieved chunk each): ``planted`` holds every fact sentence of the set's corpus."""
+    rows: list[int] = []
+    off = parts[0][1].length
+    for _, kv in parts[1:]:
+        ids = kv.token_ids.tolist() if hasattr(kv.token_ids, "tolist") else list(kv.token_ids)
+        text = tok.decode(ids, skip_special_tokens=True)
+        holds = [f for f in q.facts if f in text]
+        if (oracle == "oracle:answer" and holds) or (oracle == "oracle:others" and not holds):
+            rows.extend(range(off, off + kv.length))
+        elif oracle in ("oracle:fact", "oracle:facts"):
+            for f in (holds if oracle == "oracle:fact" else [f for f in planted if f in text]):
+                span = _sentence_rows(tok, ids, text, f)
+                if span is not None:
+                    rows.extend(off + t for t in span)
+        off += kv.length
+    return rows
+
+
+def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, planted: set[str] | None = None,
+                 tok=None):
     """Every mode's answer to ``q`` through the CachedRAG indexes: their retrieval, their stored
     states and their prompt layout, decoded together on one engine. A cached mode's TTFT
-    includes fetching its states (as :meth:`CachedRAG.answer` counts it)."""
+    includes fetching its states (as :meth:`CachedRAG.answer` counts it). An oracle mode's rows
+    are found among ``planted`` (every fact sentence of the corpus: :func:`rag_oracle_rows`) with ``tok``."""
     handles = {enc: rag.retrieve(q.question) for enc, rag in rags.items()}
     reqs, fetch = [], []
     for mode in modes:
@@ -574,6 +700,10 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int):
         parts = rag.parts(hs)
         fetch.append(time.perf_counter() - t0)
         recompute, cal = _cached_request_policy(mode)
+        if recompute in ORACLE_MODES:
+            from ..recompute import Recompute
+
+            recompute = Recompute.explicit(rag_oracle_rows(tok, recompute, parts, q, planted or set()))
         reqs.append((Parts(parts, q_ids, "preamble", cal), recompute))
     outs = _decode_apart(rags["preamble"].pc, modes, reqs, max_new_tokens)
     return outs, [o.ttft_s + f for o, f in zip(outs, fetch)]
@@ -608,8 +738,8 @@ def _decode_apart(pc, modes, reqs, max_new_tokens: int) -> list:
 
 
 def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1, 2, 4, 8), seed: int = 0,
-                     split: str = "reporting", log=print) -> dict:
-    """Fact-chunk recall@k of the rag set's questions, dense against hybrid retrieval, on one
+                     split: str = "reporting", log=print, set_name: str = "rag") -> dict:
+    """Fact-chunk recall@k of an end-to-end set's questions (``rag`` or ``lookalike``), dense against hybrid retrieval, on one
     index (text only: ``encode="lazy"``, no states are needed to retrieve). A question counts
     at ``k`` when its planted-fact file is among the ``k`` chunks retrieved."""
     import tempfile
@@ -621,8 +751,9 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
     out: dict = {"n": n, "split": split, "doc_tokens": doc_tokens, "ks": list(ks), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="pcache-recall-") as tmp:
         wd = Path(tmp)
-        qs, files, corpus = rag_corpus(tok, wd, n, doc_tokens, seed, split)
+        qs, files, corpus = RAG_CORPORA[set_name](tok, wd, n, doc_tokens, seed, split)
         out["inputs"] = inputs_hash(qs, files)
+        out["set"] = set_name
         index = Index(wd / "index")
         pc = index.engine(model, tok, decode_weights="fp32")  # retrieval only: nothing is decoded
         rag = CachedRAG(index, pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
@@ -728,20 +859,30 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     for m in modes:
         base, _ = split_mode(m)
         if "+" in base:
-            Recompute.parse(base.partition("+")[2])
+            if base.partition("+")[2] not in ORACLE_MODES:
+                Recompute.parse(base.partition("+")[2])
         elif base not in ("full", REORDERED, "isolated", "preamble") + OWN_MODES + ORACLE_MODES + COND_MODES:
             Recompute.parse(base)
-    synthetic_only = sorted(m for m in modes if m in OWN_MODES + ORACLE_MODES or encoding_of(m).startswith("cond:corpus")
+    bad = set(sets) - set(SETS)
+    if bad:
+        raise ValueError(f"unknown eval sets {', '.join(sorted(bad))}: the sets are {', '.join(SETS)}")
+    rag_sets = [s for s in sets if s in RAG_SETS]
+    synthetic_only = sorted(m for m in modes if m in OWN_MODES or encoding_of(m).startswith("cond:corpus")
                             or store_of(m)[1])
-    if "rag" in sets and synthetic_only:
-        raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not 'rag')")
+    if rag_sets and synthetic_only:
+        raise ValueError(f"the modes {', '.join(synthetic_only)} run on the synthetic sets only (not "
+                         f"{', '.join(rag_sets)})")
+    rag_only = sorted(m for m in modes if _cached_request_policy(m)[0] == "oracle:facts" and m not in FULL_MODES)
+    if rag_only and set(sets) - set(RAG_SETS):
+        raise ValueError(f"the modes {', '.join(rag_only)} run on the end-to-end sets only ({', '.join(RAG_SETS)}): "
+                         "a synthetic set does not know its distractors' facts")
     question_template = QUESTION_TEMPLATES.get(question_template, question_template) if question_template else None
     if question_template is not None:
         if "{question}" not in question_template:
             raise ValueError("a question template needs a {question} placeholder")
-        if "rag" in sets:
-            raise ValueError("a question template applies to the synthetic sets only (the rag set asks through "
-                             "CachedRAG's own prompt)")
+        if rag_sets:
+            raise ValueError(f"a question template applies to the synthetic sets only (the end-to-end sets "
+                             f"{', '.join(rag_sets)} ask through CachedRAG's own prompt)")
     _split(split)
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
@@ -779,8 +920,9 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     data = build_sets(tok, n, doc_tokens, k, seed, split)
     hashes = {name: inputs_hash(qs) for name, qs in data.items() if name in sets}
     _check_inputs(hashes, saved, checkpoint)
-    if "rag" in sets and "rag" in saved:  # known without building its index again (a resumed, finished set)
-        hashes["rag"] = saved["rag"]
+    for name in rag_sets:  # known without building its index again (a resumed, finished set)
+        if name in saved:
+            hashes[name] = saved[name]
     if any(encoding_of(m).startswith("cond:corpus") for m in modes):  # tokenizing the filler again costs seconds
         syn.corpus_passage = Filler(tok, doc_tokens).passage(_split(split)["passage"] + CORPUS_PASSAGE)
     tmp = None
@@ -791,22 +933,24 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
         resumed += min(done, n)
         if done >= n:
             continue
-        if set_name == "rag":
-            if workdir is None:
+        if set_name in RAG_SETS:
+            if tmp is None and workdir is None:
                 tmp = tempfile.TemporaryDirectory(prefix="pcache-eval-")
-                wd = Path(tmp.name)
-            else:
-                wd = Path(workdir)
-            qs, rags, hashes["rag"] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
-                                               {encoding_of(m) for m in modes if m not in FULL_MODES}, prefix=syn.prefix)
-            _check_inputs({"rag": hashes["rag"]}, saved, checkpoint)
+            wd = Path(workdir if workdir is not None else tmp.name)  # type: ignore[union-attr]
+            if set_name != "rag":  # each end-to-end set in a folder of its own (the rag set where it always was)
+                wd = wd / set_name
+            qs, rags, hashes[set_name] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
+                                                  {encoding_of(m) for m in modes if m not in FULL_MODES},
+                                                  prefix=syn.prefix, set_name=set_name)
+            _check_inputs({set_name: hashes[set_name]}, saved, checkpoint)
+            planted = {f for qq in qs for f in qq.facts}
         else:
             qs = data[set_name]
         for qi, q in enumerate(qs):
             if qi < done:  # answered before this run (resumed from the checkpoint)
                 continue
-            if set_name == "rag":
-                outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens)
+            if set_name in RAG_SETS:
+                outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens, planted, tok)
             else:
                 outs = syn.answers(modes, q, max_new_tokens)
                 ttfts = [o.ttft_s for o in outs]
@@ -827,7 +971,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 if checkpoint:
                     _save(Path(checkpoint), config, results, hashes)
         syn.cache.clear()  # documents are not shared across sets: free their states
-        if set_name == "rag":
+        if set_name in RAG_SETS:
             for rag in rags.values():
                 rag.close()
     summary = summarize({s: results[s] for s in sets if s in results}, modes)
