@@ -92,4 +92,3 @@ def check_spin() -> str:
                     "(~3 ms at every barrier), which slows prefill on a machine with other busy processes; "
                     "import pcache_rag first or set GOMP_SPINCOUNT=1000 in the environment")
     return how
-

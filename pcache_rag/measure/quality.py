@@ -673,8 +673,7 @@ def rag_oracle_rows(tok, oracle: str, parts: list, q: Question, planted: set[str
     return rows
 
 
-def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, planted: set[str] | None = None,
-                 tok=None):
+def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, tok, planted: set[str] | None = None):
     """Every mode's answer to ``q`` through the CachedRAG indexes: their retrieval, their stored
     states and their prompt layout, decoded together on one engine. A cached mode's TTFT
     includes fetching its states (as :meth:`CachedRAG.answer` counts it). An oracle mode's rows
@@ -950,7 +949,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             if qi < done:  # answered before this run (resumed from the checkpoint)
                 continue
             if set_name in RAG_SETS:
-                outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens, planted, tok)
+                outs, ttfts = _rag_answers(rags, modes, q, max_new_tokens, tok, planted)
             else:
                 outs = syn.answers(modes, q, max_new_tokens)
                 ttfts = [o.ttft_s for o in outs]
