@@ -74,6 +74,13 @@ def cmd_bench(a) -> int:
         if a.json:
             print(json.dumps({"benchmark": "decode", **out}, indent=2))
         return 0
+    if a.what == "discovery":
+        from .measure.bench import bench_discovery
+
+        row = bench_discovery(a.chunks, log=log)
+        if a.json:
+            print(json.dumps({"benchmark": "discovery", **row}, indent=2))
+        return 0
     if a.what == "rag":
         from .measure.bench import bench_rag
 
@@ -413,10 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: all (the report: docs/benchmarks.md with plots), ttft (prompt "
                        "lengths), store (tiers), rag (end to end), quality (accuracy)")
-    b.add_argument("what", choices=("all", "ttft", "rag", "decode", *RETIRED_BENCHES),
+    b.add_argument("what", choices=("all", "ttft", "rag", "decode", "discovery", *RETIRED_BENCHES),
                    help="all: the report; ttft: the length sweep; rag: answers through CachedRAG; decode: ms a "
                         "generated token and whole answers, fp32 and smaller decode weights, against stock "
-                        "transformers and the weight-streaming floor "
+                        "transformers and the weight-streaming floor; discovery: known chunks found in an "
+                        "unmarked ~8K-token prompt (--chunks known) "
                         "(store and quality are retired and say where their numbers are)")
     b.add_argument("--quick", action="store_true", help="all: tiny sizes that check the harness in a few minutes")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="all: where the model runs")
@@ -430,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--busy", type=int, default=0, metavar="N",
                    help="decode: time every row again beside N single-threaded busy processes the run starts")
     b.add_argument("--question-tokens", type=int, default=32)
+    b.add_argument("--chunks", type=_positive, default=100_000, help="discovery: known chunks")
     b.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     b.set_defaults(fn=cmd_bench)
 

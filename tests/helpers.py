@@ -186,27 +186,44 @@ def write_pdf(path, pages: list[str]) -> None:
     pdf.output(str(path))
 
 
+#: how long a wait may last before it is called a hang: generous, so that a slow or busy machine
+#: only waits longer (times are measured in benchmarks, never asserted in tests)
+HANG_S = 300.0
+
+
+def wait_until(ready, what: str, timeout: float = HANG_S, step: float = 0.05):
+    """Poll ``ready()`` until it returns something true and return that; after ``timeout``
+    seconds raise ``TimeoutError`` naming ``what`` (a hang guard, not a speed check). ``what``
+    may be a callable, called then, for a message that says where things stood."""
+    end = time.monotonic() + timeout
+    while True:
+        got = ready()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what() if callable(what) else what} (waited {timeout:g} s)")
+        time.sleep(step)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_http(url: str, proc, timeout: float = 120) -> None:
+def wait_http(url: str, proc, timeout: float = HANG_S) -> None:
     """Wait until ``url`` answers (any status below 500), failing with the output of ``proc``
     (a server started with ``subprocess.Popen``) if it exits first, or after ``timeout`` s."""
     import httpx
 
-    deadline = time.time() + timeout
-    while True:
+    def up() -> bool:
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else "the process exited"
         try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
+            return httpx.get(url, timeout=10).status_code < 500
         except httpx.TransportError:
-            pass
-        assert time.time() < deadline, f"{url} did not come up"
-        time.sleep(0.3)
+            return False
+
+    wait_until(up, f"{url} did not come up", timeout, step=0.3)
 
 
 class Server:
@@ -223,10 +240,11 @@ class Server:
         self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_level="warning", **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
+        def started() -> bool:
+            assert self.thread.is_alive(), "the server thread ended before it started"
+            return self.server.started
+
+        wait_until(started, "the server did not start")
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -307,14 +325,14 @@ class RedisServer:
              "--maxmemory", maxmemory, "--maxmemory-policy", policy, *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.time() + 20
-        while True:
+        def up() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.exceptions.ConnectionError:
-                assert self.proc.poll() is None and time.time() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+                assert self.proc.poll() is None, "redis-server exited"
+                return False
+
+        wait_until(up, "redis-server did not start")
         self.client = client
 
     def kill(self) -> None:

@@ -18,7 +18,7 @@ from pcache_rag.engine import ContextOverflowError
 from pcache_rag.engine.scheduler import Request, Scheduler, parts_request, run_batch
 from pcache_rag.kv import RequestKV
 
-from helpers import contiguous_parts, tiny_model
+from helpers import contiguous_parts, tiny_model, wait_until
 from pcache_rag.engine import Parts
 
 TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
@@ -188,9 +188,7 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
         next(iter(gone), None)
         gone.close()
         out = keep.result()
-        deadline = time.time() + 10
-        while sched.stats()["live"] and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not sched.stats()["live"], "the cancelled request never left the batch")
         st = sched.stats()
     finally:
         pc.stop_batching()
@@ -302,7 +300,6 @@ def test_release_pool_hands_back_this_threads_openmp_workers():
     """A thread that ran a parallel kernel keeps OpenMP workers (OS threads); release_pool
     ends them, and the thread's next kernel builds a pool again and computes the same."""
     import os
-    import time
 
     from pcache_rag.engine.threads import has_pool_release, release_pool
 
@@ -318,9 +315,8 @@ def test_release_pool_hands_back_this_threads_openmp_workers():
     first = a @ a  # a parallel region: this thread's pool exists from here on
     with_pool = threads()
     assert release_pool()
-    deadline = time.time() + 5
-    while threads() >= with_pool and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: threads() < with_pool, "no worker of the pool ended")
+    wait_until(lambda: threads() <= with_pool - (torch.get_num_threads() - 1), "the pool's workers did not all end")
     released = threads()
     assert released <= with_pool - (torch.get_num_threads() - 1), "the pool's workers ended"
     assert torch.equal(a @ a, first)

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from helpers import tiny_model, last_output
+from helpers import last_output, tiny_model, wait_until
 from pcache_rag import PromptCache
 from pcache_rag.rag import CachedRAG
 from pcache_rag.engine import Parts
@@ -178,7 +178,6 @@ def test_chroma_server_via_url(smol, tmp_path, corpus):
     import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     exe = shutil.which("chroma") or str(Path(sys.executable).with_name("chroma"))
@@ -188,12 +187,12 @@ def test_chroma_server_via_url(smol, tmp_path, corpus):
     srv = subprocess.Popen([exe, "run", "--path", str(tmp_path / "srv"), "--host", "127.0.0.1", "--port", str(port)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 30
-        while time.time() < deadline:
+        def listening() -> bool:
+            assert srv.poll() is None, "the chroma server exited"
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.2)
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, "the chroma server did not listen", step=0.2)
         rag = CachedRAG(tmp_path / "idx", pc=smol, k=1, chunk_tokens=16, chroma_url=f"http://127.0.0.1:{port}")
         rep = rag.ingest([corpus], progress=False)
         assert rep.added == 3 and rag.index.count() >= 6 and rag.verify().clean

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import RedisServer, Server, docx_bomb, free_port, pdf_bomb
+from helpers import RedisServer, Server, docx_bomb, free_port, pdf_bomb, wait_until
 
 from pcache_rag import PromptCache
 from pcache_rag.cli import main
@@ -417,9 +417,12 @@ def test_7_redis_errors_beyond_a_lost_connection_are_misses_with_one_warning_eac
             tier.put("b", kv)  # OutOfMemoryError twice: skipped writes, one warning
             assert tier.get("a") is None
             assert tier.get("wrong") is None and tier.get("wrong") is None
-            t0 = time.perf_counter()
+            def part_reads() -> int:
+                return int(full.client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+            reads = part_reads()
             assert tier.get("huge") is None
-            assert time.perf_counter() - t0 < 0.5, "the header is refused before any part is read"
+            assert part_reads() == reads, "the header is refused before any part is read"
         warnings = [r.getMessage() for r in caplog.records]
         assert sum("OutOfMemoryError" in w for w in warnings) == 1, warnings
         assert sum("WRONGTYPE" in w for w in warnings) == 1, warnings
@@ -430,10 +433,11 @@ def test_7_redis_errors_beyond_a_lost_connection_are_misses_with_one_warning_eac
     http = subprocess.Popen([sys.executable, "-m", "http.server", str(port := free_port()), "--bind", "127.0.0.1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 10
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            assert time.time() < deadline
-            time.sleep(0.1)
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, "python -m http.server did not listen")
         tier = RemoteTier(f"redis://127.0.0.1:{port}/0", prefix="t")
         assert tier.get("a") is None and tier.put("a", kv) == [] and not tier.contains("a")
         assert tier.failures >= 1
@@ -444,9 +448,9 @@ def test_7_redis_errors_beyond_a_lost_connection_are_misses_with_one_warning_eac
 # ---------------------------------------------------------------------------- 8. sizes before bodies
 
 
-def _raw(port: int, head: bytes, body: bytes = b"", wait: float = 5.0) -> tuple[int, float]:
-    """Send ``head`` (and ``body``), return the response status and the seconds it took."""
-    t0 = time.perf_counter()
+def _raw(port: int, head: bytes, body: bytes = b"", wait: float = 120.0) -> int:
+    """Send ``head`` (and ``body``), return the response status. A server that waited for a
+    body never sent would leave the read to time out (``socket.timeout``, the test fails)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
         s.sendall(head + body)
         data = b""
@@ -455,7 +459,7 @@ def _raw(port: int, head: bytes, body: bytes = b"", wait: float = 5.0) -> tuple[
             if not chunk:
                 break
             data += chunk
-    return int(data.split(b" ", 2)[1]), time.perf_counter() - t0
+    return int(data.split(b" ", 2)[1])
 
 
 def test_8_sizes_are_checked_before_bodies_are_read(guarded):
@@ -463,18 +467,15 @@ def test_8_sizes_are_checked_before_bodies_are_read(guarded):
     host = f"Host: 127.0.0.1:{srv.port}\r\n".encode()
     head = (b"POST /api/documents HTTP/1.1\r\n" + host +
             b"Content-Type: multipart/form-data; boundary=x\r\nContent-Length: 3000000000\r\n\r\n")
-    status, took = _raw(srv.port, head)  # a 3 GB upload announced, nothing sent
-    assert status == 413 and took < 3
+    assert _raw(srv.port, head) == 413  # a 3 GB upload announced, nothing sent: refused by its header
     head = (b"POST /v1/chat/completions HTTP/1.1\r\n" + host +
             b"Content-Type: application/json\r\nContent-Length: 400000000\r\n\r\n")
-    status, took = _raw(srv.port, head)
-    assert status == 413 and took < 3
+    assert _raw(srv.port, head) == 413
     # no length announced: counted as it streams, cut at the limit
     chunk = b"%x\r\n%s\r\n" % (32 << 10, b" " * (32 << 10))
     head = (b"POST /v1/chat/completions HTTP/1.1\r\n" + host +
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
-    status, _ = _raw(srv.port, head, chunk * 4)
-    assert status == 413
+    assert _raw(srv.port, head, chunk * 4) == 413
     leftovers = list(service.uploads.upload_dir.glob("*")) if service.uploads.upload_dir.exists() else []
     assert not leftovers
 
@@ -497,10 +498,7 @@ def test_9_uploads_left_by_a_killed_ingest_are_reported_and_finished(smol, tmp_p
     assert any("pending uploads" in line for line in v.lines())
     service = AnswerService(rag)  # a server starting on this index finishes them
     assert service.uploads.resume() == ["lighthouse.md"]
-    deadline = time.time() + 120
-    while service.uploads.state.running:
-        assert time.time() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: not service.uploads.state.running, "the resumed uploads were never indexed")
     assert service.uploads.state.report and service.uploads.state.report["added"] == 1
     assert not (uploads / ".lighthouse2.md.part").exists()
     assert rag.verify().clean
@@ -553,8 +551,7 @@ def test_10_slow_connections_are_capped_and_timed_out_and_health_still_answers(s
         assert r.status_code == 200, "a real client gets in while the flood holds the cap"
         held = sum(1 for c in srv.server.server_state.connections)
         assert held <= 40
-        time.sleep(3)
-        assert len(srv.server.server_state.connections) <= 1, "slow headers time out"
+        wait_until(lambda: len(srv.server.server_state.connections) <= 1, "slow headers never timed out")
     finally:
         for s in socks:
             s.close()

@@ -4,7 +4,8 @@
 * ``store``: bytes per cached token vs the formula, disk throughput, TTFT per tier;
 * ``rag``: end-to-end TTFT (retrieve + assemble + first token) vs the same pipeline with
   full prefill of the same retrieved text;
-* ``quality``: answer-contained accuracy, cached encodings vs full prefill, same questions.
+* ``quality``: answer-contained accuracy, cached encodings vs full prefill, same questions;
+* ``discovery``: finding known chunks in a long unmarked prompt (``bench_discovery``, below).
 
 ``ttft``: for each prompt length, a schema of ~500-token document modules
 filling all but a 32-token question, and three timings, medians of ``repeats``
@@ -171,3 +172,49 @@ def bench_rag(model_path=None, index_dir=None, k: int = 4, chunk_tokens: int = 5
     log(f"median speed-up x{med}")
     rag.close()
     return {"k": k, "chunk_tokens": chunk_tokens, "rows": rows, "median_speedup": med}
+
+
+def discovery_corpus(n: int, seed: int = 0) -> tuple[list[str], str, list[str]]:
+    """``n`` random 40-word chunks, a prompt of ~32K characters (~8K tokens) quoting every
+    ``n // 10``-th chunk followed by 5,000 loose words, and the quoted chunks in order."""
+    import random
+
+    r = random.Random(seed)
+    words = [f"w{r.randrange(50_000)}" for _ in range(max(4 * n, 5_000))]
+    chunks = [" ".join(words[i * 4 : i * 4 + 40]) + f" chunk {i}." for i in range(n)]
+    quoted = [chunks[i] for i in range(0, n, max(1, n // 10))]
+    return chunks, "\n\n".join(quoted) + "\n\n" + " ".join(words[:5000]), quoted
+
+
+def bench_discovery(n: int = 100_000, log=print) -> dict:
+    """Time ``KnownTexts.find`` on a ~32K-character prompt against ``n`` known chunks: the first
+    lookup (which builds the automaton), a second, and one after a text is added. Each figure
+    is one measured run; the baseline is the first lookup of the same run."""
+    import time
+
+    from ..discovery import KnownTexts
+
+    chunks, prompt, quoted = discovery_corpus(n)
+    kt = KnownTexts()
+    t0 = time.perf_counter()
+    kt.add(chunks)
+    add_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spans = kt.find(prompt)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = kt.find(prompt)
+    second = time.perf_counter() - t0
+    kt.add(["A chunk retrieved just now, after the automaton was built: " + chunks[5]])
+    t0 = time.perf_counter()
+    after = kt.find(prompt)
+    after_add = time.perf_counter() - t0
+    found = [prompt[a:b] for a, b in spans]
+    if found[: len(quoted)] != quoted or again != spans or len(after) != len(spans):
+        raise RuntimeError("discovery benchmark: the lookup missed a quoted chunk")  # a wrong result is not timed
+    row = {"chunks": n, "prompt_chars": len(prompt), "add_s": add_s, "first_ms": first * 1e3,
+           "again_ms": second * 1e3, "after_add_ms": after_add * 1e3}
+    log(f"discovery: {len(prompt):,} characters against {n:,} known chunks: adding them {add_s:.1f} s, first "
+        f"lookup (builds the automaton) {first * 1e3:,.0f} ms, again {second * 1e3:.1f} ms, after adding one text "
+        f"{after_add * 1e3:.1f} ms")
+    return row
