@@ -143,7 +143,7 @@ def cmd_ingest(a) -> int:
     Index(a.index, create=True)
     scan(a.paths, exclude=[a.index])
     rag = _rag(a, create=True)
-    rep = rag.ingest(a.paths, progress=True, encode=a.encode, prune=a.prune)
+    rep = rag.upkeep.ingest(a.paths, progress=True, encode=a.encode, prune=a.prune)
     if rep.rebuilt_from:
         print(f"warning: the damaged chroma folder was moved to {shown(rep.rebuilt_from)}; the index was rebuilt "
               "from the paths given", file=sys.stderr)
@@ -161,7 +161,7 @@ def cmd_ingest(a) -> int:
         f"{rep.empty} empty, {len(rep.skipped)} skipped; chunks: {rep.chunks_encoded} encoded, "
         f"{rep.chunks_reused} already cached{lazy}; {rep.seconds:.1f}s"
     )
-    v = rag.verify()
+    v = rag.upkeep.verify()
     for line in v.lines():
         print(f"warning: {shown(line)}", file=sys.stderr)
     if rep.skipped:
@@ -172,10 +172,10 @@ def cmd_ingest(a) -> int:
 
 def cmd_verify(a) -> int:
     rag = _rag(a, create=False)
-    v = rag.verify()
+    v = rag.upkeep.verify()
     for line in v.lines():
         print(shown(line))
-    st = rag.state_stats()
+    st = rag.upkeep.state_stats()
     print(f"{st['chunks']} chunks; {st['lazy']} indexed lazily, of which {st['hot']} hot (states made on first "
           f"use) and {st['cold']} cold" if st["lazy"] else f"{st['chunks']} chunks, all encoded at ingest")
     print("clean" if v.clean else "problems found: `pcache-rag ingest --repair --index DIR` fixes them "

@@ -20,7 +20,9 @@ are also written to a journal beside the states they name (``known-texts.jsonl``
 engine's ``cache_dir``), so another process on the same states finds them too: a server
 started after ``PromptCacheDocumentEncoder`` ran, or a second worker. The journal is
 append-only JSON lines, one text each, written under a file lock; a reader takes what was
-appended since it last looked, at each lookup (one ``stat`` when nothing changed). JSON, not
+appended since it last looked, at each lookup (one ``stat`` when nothing changed). A line left
+without its newline by a crash mid-write is ended by the next writer, so it reads as one damaged
+line (skipped, with a warning) and never swallows the entry written after it. JSON, not
 pickle: the journal is data, never code.
 
 **Learning documents from prompts** (:func:`document_spans`): a stock pipeline may paste
@@ -61,6 +63,14 @@ MIN_CHARS = 64
 BLOCK_BREAK = re.compile(r"\n[ \t]*\n")
 #: the journal's file name in an engine's ``cache_dir``
 KNOWN_JOURNAL = "known-texts.jsonl"
+#: an opening or question piece this long may hold documents: said in ``uncached`` when computed
+LONG_CHARS = 512
+#: a template's label at the start of a line (``Context:``, ``Question:``, ``Answer:``...): the
+#: label is the template's text, and what follows it on the line starts a new piece
+LABEL = re.compile(r"(?im)^[ \t]*(context|documents?|sources?|passages?|question|query|input|follow up input|"
+                   r"standalone question|chat history|history|answer|helpful answer|response)[ \t]*:[ \t]*")
+#: labels whose piece is the question: never learned (it must be computed, after the documents)
+QUESTION_LABELS = frozenset({"question", "query", "input", "follow up input", "standalone question"})
 
 
 class KnownTexts:
@@ -134,8 +144,12 @@ class KnownTexts:
         data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
         try:
             self._journal.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(self._journal) + ".lock", timeout=30), open(self._journal, "ab") as f:
+            with FileLock(str(self._journal) + ".lock", timeout=30), open(self._journal, "a+b") as f:
                 start = f.seek(0, os.SEEK_END)
+                if start:  # under the lock, a last line without its newline was torn by a crash mid-write:
+                    f.seek(start - 1)  # end it, so it reads as one damaged line (skipped) and ours stays whole
+                    if f.read(1) != b"\n":
+                        data = b"\n" + data
                 f.write(data)
             with self._lock:
                 if start == self._read_to:  # nobody appended since the last look: no need to read our own lines
@@ -240,12 +254,38 @@ def blocks(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def pieces(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, label)`` of ``text``'s pieces: its :func:`blocks`, each cut again where a
+    template's label (:data:`LABEL`) opens a line; ``label`` is the lowercased label a piece follows
+    ('' for none). The labels themselves and the whitespace around pieces belong to no piece, and
+    empty pieces (``Answer:`` at the end) are left out. So the LangChain hub's ``rlm/rag-prompt``
+    ("...Question: {question} \\nContext: {context} \\nAnswer:") gives its instructions, the
+    question, and each document on its own. A label alone on its block names the next piece.
+    (A document of its own with such lines, an FAQ's ``Answer:``, is cut there too when it is
+    learned from a prompt; ingested and encoded documents are found whole.)"""
+    out = []
+    label = ""  # a label alone on its block ("Context:" then a blank line) names the next piece
+    for a, b in blocks(text):
+        at = a
+        for m in [*LABEL.finditer(text, a, b), None]:
+            end = m.start() if m is not None else b
+            piece = text[at:end]
+            x, y = at + len(piece) - len(piece.lstrip()), at + len(piece.rstrip())
+            if y > x:
+                out.append((x, y, label))
+                label = ""
+            if m is not None:
+                at, label = m.end(), " ".join(m.group(1).lower().split())
+    return out
+
+
 @dataclass(slots=True)
 class Uncached:
     """What of a prompt's plain text could have been a document and was computed instead, and
     why: filled by :func:`document_spans`, read by :meth:`reasons`."""
 
     short: int = 0  # blocks in a document's place under MIN_CHARS characters
+    whole: int = 0  # long opening or question pieces (LONG_CHARS or more) that may hold documents inside
     unseen: int = 0  # blocks long enough, not known, with learning off
     cut: int = 0  # a known document's opening found, the rest different
     learned: int = 0  # blocks taken as new documents (encoded on this first sight)
@@ -256,6 +296,10 @@ class Uncached:
         if self.short:
             out.append(f"too short: {self.short} block(s) between blank lines under {MIN_CHARS} characters "
                        "were computed, not cached")
+        if self.whole:
+            out.append(f"one block: {self.whole} long piece(s) that open a message or hold the question ({LONG_CHARS}+ "
+                       "characters, no blank line or label inside) were computed; documents in them cannot be told "
+                       "apart: put blank lines around the documents")
         if self.unseen:
             out.append(f"unseen: {self.unseen} block(s) are not known documents and learning documents from "
                        "prompts is off, so they were computed")
@@ -268,18 +312,27 @@ class Uncached:
 def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, trail: bool,
                    uncached: Uncached | None = None) -> list[tuple[int, int]]:
     """The documents in one piece of a message: known texts found anywhere in it
-    (:meth:`KnownTexts.find`), and - with ``learn`` - its other blocks (:func:`blocks`) of at
-    least :data:`MIN_CHARS` characters, except the piece's first block when ``lead`` (it opens
-    a message: instructions, a header) and its last when ``trail`` (it ends the final user
-    message: the question). Non-overlapping spans, in order; ``uncached`` counts the rest."""
+    (:meth:`KnownTexts.find`), and - with ``learn`` - its other pieces (:func:`pieces`) of at
+    least :data:`MIN_CHARS` characters, except:
+
+    * the first piece when ``lead`` (it opens a message: instructions, a header), unless a
+      template's label follows it (then it is the template's own text, the same every call);
+    * the question: a piece after a question label (``Question:``), or, when ``trail`` (it ends the
+      final user message) and no label names one, the last piece.
+
+    Non-overlapping spans, in order; ``uncached`` counts the rest."""
     misses: list[int] = []
     spans = known.find(text, misses) if len(known) else []
     found = list(spans)
-    bl = blocks(text)
-    for i, (a, b) in enumerate(bl):
+    pcs = pieces(text)
+    asked = any(label in QUESTION_LABELS for *_, label in pcs)
+    for i, (a, b, label) in enumerate(pcs):
         if any(x < b and a < y for x, y in spans):
             continue  # holds (or is) a known document
-        if (lead and i == 0) or (trail and i == len(bl) - 1):
+        header = lead and i == 0 and not label and not (len(pcs) > 1 and pcs[1][2])
+        if header or label in QUESTION_LABELS or (trail and not asked and i == len(pcs) - 1):
+            if uncached is not None and b - a >= LONG_CHARS:
+                uncached.whole += 1
             continue
         if b - a < MIN_CHARS:
             if uncached is not None:
@@ -295,5 +348,5 @@ def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, tra
     return sorted(found)
 
 
-__all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "MIN_CHARS", "KnownTexts", "Uncached", "blocks",
-           "document_spans"]
+__all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "LABEL", "LONG_CHARS", "MIN_CHARS", "QUESTION_LABELS", "KnownTexts",
+           "Uncached", "blocks", "document_spans", "pieces"]

@@ -62,17 +62,107 @@ def closed(schema: Any) -> Any:
     return out
 
 
+@dataclass(frozen=True)
+class SchemaLimits:
+    """Bounds a JSON schema must meet before it is compiled (:func:`check_schema`), so that one
+    request's schema cannot take a server's time or memory: nesting ``depth``, ``nodes`` (objects,
+    arrays and values in it), ``enum`` members in one enum, its size in ``bytes`` as JSON, and
+    whether a ``$ref`` may reach itself (a recursive schema; off: llguidance follows such a
+    grammar, but a small model can nest in it until its token limit, and the compile time grows
+    with it). Set :data:`SCHEMA_LIMITS` to change them for a process."""
+
+    depth: int = 32
+    nodes: int = 4_096
+    enum: int = 512
+    bytes: int = 65_536
+    recursion: bool = False
+
+
+#: the limits :func:`json_grammar` checks every schema against
+SCHEMA_LIMITS = SchemaLimits()
+
+
+class SchemaLimitError(ValueError):
+    """A JSON schema beyond :class:`SchemaLimits` (refused before it is compiled)."""
+
+
+def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
+    """Refuse ``schema`` with a :class:`SchemaLimitError` that names the limit if it is deeper,
+    larger or has longer enums than ``limits`` (default :data:`SCHEMA_LIMITS`) allow, names a
+    ``$ref`` that is not a local ``#/...`` pointer, or (unless ``limits.recursion``) holds a
+    ``$ref`` that reaches itself. The walk is iterative: a schema nested thousands deep is
+    refused by depth, never by Python's recursion limit."""
+    lim = limits or SCHEMA_LIMITS
+    refs: list[tuple[str, str]] = []  # (where the $ref is, what it points to), as JSON pointers
+    stack: list[tuple[Any, str, int]] = [(schema, "", 1)]
+    nodes = 0
+    while stack:
+        node, path, depth = stack.pop()
+        nodes += 1
+        if nodes > lim.nodes:
+            raise SchemaLimitError(f"the JSON schema has more than {lim.nodes} nodes")
+        if depth > lim.depth:
+            raise SchemaLimitError(f"the JSON schema is nested deeper than {lim.depth} levels")
+        if isinstance(node, Mapping):
+            enum = node.get("enum")
+            if isinstance(enum, list) and len(enum) > lim.enum:
+                raise SchemaLimitError(f"an enum of the JSON schema has {len(enum)} members (the limit is {lim.enum})")
+            ref = node.get("$ref")
+            if ref is not None:
+                if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                    raise SchemaLimitError(f"$ref {str(ref)[:80]!r}: only local references (#/...) are supported")
+                refs.append((path, ref[1:]))
+            stack.extend((v, f"{path}/{_escape(str(k))}", depth + 1) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}/{i}", depth + 1) for i, v in enumerate(node))
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError) as e:
+        raise SchemaLimitError(f"the JSON schema is not JSON: {e}") from None
+    if size > lim.bytes:
+        raise SchemaLimitError(f"the JSON schema is {size} bytes as JSON (the limit is {lim.bytes})")
+    if refs and not lim.recursion and (cycle := _ref_cycle(refs)):
+        raise SchemaLimitError(f"the JSON schema is recursive ($ref {cycle!r} reaches itself): recursive schemas are "
+                               "not supported")
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _ref_cycle(refs: list[tuple[str, str]]) -> str | None:
+    """A ``$ref`` target from which the references inside it lead back to it, if any. A target
+    ``t`` reaches every target of a ``$ref`` located in ``t``'s subtree."""
+    def inside(path: str, target: str) -> bool:
+        return path == target or path.startswith(target + "/") or target == ""
+
+    targets = {t for _, t in refs}
+    edges = {t: {u for p, u in refs if inside(p, t)} for t in targets}
+    for start in targets:
+        seen, todo = set(), list(edges[start])
+        while todo:
+            t = todo.pop()
+            if t == start:
+                return "#" + start
+            if t not in seen:
+                seen.add(t)
+                todo.extend(edges.get(t, ()))
+    return None
+
+
 def json_grammar(schema: Mapping[str, Any] | str | None = None) -> str:
     """A grammar for one JSON value that matches ``schema`` (a JSON schema as a mapping or
     text; objects are :func:`closed`); without a schema, any JSON object (OpenAI's
-    ``json_object`` mode)."""
+    ``json_object`` mode). A schema beyond :data:`SCHEMA_LIMITS` is refused first
+    (:class:`SchemaLimitError`, a ``ValueError``)."""
     if schema is None:
         schema = {"type": "object"}
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {type(e).__name__}") from None
+    check_schema(schema)
     return check(_ll().LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)), defaults=JSON_LAYOUT))
 
 

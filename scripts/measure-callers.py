@@ -56,7 +56,7 @@ def main() -> int:
     def engine_row(name: str, pc: PromptCache) -> None:
         pc.eos_ids = set()
         ids = tok(doc, add_special_tokens=False)["input_ids"]
-        kv = pc.encode(ids, list(range(len(ids))))
+        kv = pc.encoder.encode(ids, list(range(len(ids))))
         q = tok(f"\n{QUESTION}\nAnswer:", add_special_tokens=False)["input_ids"]
         pc.generate(Parts([("doc", kv)], q), max_new_tokens=2)
 

@@ -88,12 +88,18 @@ def tiny_model(family: str, vocab: int, seed: int = 0):
     raise ValueError(family)
 
 
+def adapter_of(pc):
+    """The engine's model adapter (its family, shapes, rotation), for tests of the adapter itself:
+    the one place the tests read a part the public API does not offer."""
+    return pc.core.adapter
+
+
 def contiguous_parts(pc, texts, question: str = " Which chunk is third?"):
     """``(parts, question ids)``: each text encoded apart, at contiguous positions (as RAG places them)."""
     parts, pos = [], 0
     for i, t in enumerate(texts):
         ids = pc.safe.text(t)
-        parts.append((f"c{i}", pc.encode(ids, list(range(pos, pos + len(ids))))))
+        parts.append((f"c{i}", pc.encoder.encode(ids, list(range(pos, pos + len(ids))))))
         pos += len(ids)
     return parts, pc.safe.text(question)
 
@@ -140,7 +146,7 @@ def reference_logits(pc, res, encoding: str) -> torch.Tensor:
     model = copy.deepcopy(pc.model)
     model.set_attn_implementation("eager")
     ids, pos = res.input_ids[None], res.position_ids[None]
-    if pc.adapter.family == "alibi":
+    if adapter_of(pc).family == "alibi":
         ad = adapter_for(model)
         from transformers.cache_utils import DynamicCache
 
@@ -346,7 +352,7 @@ _LAST: dict[int, list] = {}
 def watch(pc):
     """Record ``pc``'s finished generations, for :func:`last_output` (returns ``pc``)."""
     got = _LAST.setdefault(id(pc), [])
-    pc.add_listener(lambda out: got.append(out))
+    pc.listeners.add(lambda out: got.append(out))
     return pc
 
 

@@ -18,7 +18,7 @@ from pcache_rag.engine import ContextOverflowError
 from pcache_rag.engine.scheduler import Request, Scheduler, parts_request, run_batch
 from pcache_rag.kv import RequestKV
 
-from helpers import contiguous_parts, tiny_model, wait_until
+from helpers import adapter_of, contiguous_parts, tiny_model, wait_until
 from pcache_rag.engine import Parts
 
 TEXTS = [" The gate code of the north door is 4417 and it opens at dawn.",
@@ -66,21 +66,21 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
         toks = [int(torch.argmax(res.logits))] if j % 2 == 0 else pc.safe.text(" and then it")[:4]
         one = RequestKV(kv.k.clone(), kv.v.clone(), kv.length)
         pos = torch.arange(nxt, nxt + len(toks))
-        key_pos = torch.cat([res.position_ids, pos]) if pc.adapter.window else None
-        solo.append(pc.adapter.forward(torch.tensor(toks), pos, one.cache(), None, key_pos)[-1])
+        key_pos = torch.cat([res.position_ids, pos]) if adapter_of(pc).window else None
+        solo.append(adapter_of(pc).forward(torch.tensor(toks), pos, one.cache(), None, key_pos)[-1])
         seqs.append((kv, toks, pos, key_pos))
     assert len({kv.length for kv, *_ in seqs}) == len(seqs), "the lengths must differ, or the step is not ragged"
     step = RaggedStep([kv.k for kv, *_ in seqs], [kv.v for kv, *_ in seqs], [kv.length for kv, *_ in seqs],
                       [len(t) for _, t, *_ in seqs], [None] * len(seqs))
-    if pc.adapter.window:
+    if adapter_of(pc).window:
         step.positions = [Positions.of(pos, key_pos) for *_, pos, key_pos in seqs]
     like = seqs[0][0].k[0, None, :, :0]
     cache = Cache(layers=[_RaggedLayer(step, i, 0, like) for i in range(seqs[0][0].k.shape[0])])
     ends = torch.tensor(step.counts).cumsum(0) - 1
     with ragged(step):
-        got = pc.adapter.forward(torch.tensor([t for _, ts, *_ in seqs for t in ts]),
+        got = adapter_of(pc).forward(torch.tensor([t for _, ts, *_ in seqs for t in ts]),
                                  torch.cat([p for *_, p, _ in seqs]), cache, None, None, logits_to_keep=ends)
-    assert step.calls == pc.adapter.kv_shape.n_layers
+    assert step.calls == adapter_of(pc).kv_shape.n_layers
     for b, want in enumerate(solo):
         assert (got[b] - want).abs().max() < 1e-4, b
     assert (solo[0] - solo[2]).abs().max() > 1e-2, "different prompts must give different logits"
@@ -270,6 +270,45 @@ def test_a_grammar_constrained_answer_decodes_in_the_batch(pc):
         pc.stop_batching()
     assert got.token_ids == want.token_ids and got.text == want.text
     assert len(got.text) == 4 and got.text.isdigit()
+
+
+def test_one_failing_request_ends_alone_and_the_others_answer_as_alone(pc, monkeypatch):
+    """A batch of 8 where one request's decoding raises at its third token (as a grammar it
+    breaks, or a callback of its own, would): it alone gets that error, and the other seven
+    finish with exactly their solo answers (before, the whole batch failed with its error)."""
+    reqs = [_requests(pc)[i % 5] for i in range(8)]
+    want = [pc.generate(Parts(p, n), max_new_tokens=6).token_ids for p, n in reqs]
+    start = pc.core.decoder.start
+    started = []
+
+    def poisoned_start(*a, **kw):
+        seq = start(*a, **kw)
+        started.append(seq)
+        if len(started) == 4:  # the fourth request to start decoding
+            push, calls = seq.push, []
+
+            def push_then_fail(logits):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("token 39428 violates the grammar")
+                return push(logits)
+            seq.push = push_then_fail
+        return seq
+
+    monkeypatch.setattr(pc.core.decoder, "start", poisoned_start)
+    sched = Scheduler(pc.core, max_batch=8)
+    handles = [sched.submit(_direct(pc, p, n, SamplingParams(max_new_tokens=6))) for p, n in reqs]
+    sched.run_until_idle()
+    results = []
+    for h in handles:
+        try:
+            results.append(list(h.items())[-1].token_ids)
+        except RuntimeError as e:
+            results.append(str(e))
+    assert results.count("token 39428 violates the grammar") == 1
+    assert [r for r in results if not isinstance(r, str)] == [w for w, r in zip(want, results) if not isinstance(r, str)]
+    assert sched.counts["failed"] == 1 and sched.counts["finished"] == 7 and sched.counts["max_batch_seen"] >= 7
+    assert sched.stats()["live"] == 0 and sched.live_rows == 0
 
 
 def test_alibi_decodes_alone_and_says_so(smol_tok):

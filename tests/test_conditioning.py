@@ -46,7 +46,7 @@ def test_conditioned_states_equal_a_causal_forward_moved_to_the_slot(smol):
     ref_v = torch.stack([layer.values[0, :, C:] for layer in layers])
     from pcache_rag.kv import ModuleKV
 
-    ref = pc.place(ModuleKV(ref_k, ref_v, torch.tensor(ids), torch.arange(C, C + len(ids))), asm.start)
+    ref = pc.encoder.place(ModuleKV(ref_k, ref_v, torch.tensor(ids), torch.arange(C, C + len(ids))), asm.start)
     assert torch.allclose(kv.values, ref.values, atol=2e-4, rtol=1e-3)
     assert torch.allclose(kv.keys, ref.keys, atol=2e-3, rtol=1e-3)  # re-rotation rounds a little
     # and it is not the unconditioned encoding
@@ -149,10 +149,10 @@ def test_a_schema_opts_in_per_schema(smol):
     pc.add_schema(f'<schema name="cond" conditioning="neutral">{body}</schema>')
     lay = pc.schema("cond")
     pre, mod = lay.units[lay.preamble], lay.units["vault"]
-    kv = pc.store.get(pc.unit_key("cond", "vault"))
+    kv = pc.store.get(pc.schemas.unit_key("cond", "vault"))
     assert kv.position_ids.tolist() == mod.position_ids
-    assert pc.unit_key("cond", "vault") != pc.unit_key("plain", "vault"), "never mixed with the plain schema"
-    assert pc.unit_key("cond", lay.preamble) == pc.unit_key("plain", pc.schema("plain").preamble)
+    assert pc.schemas.unit_key("cond", "vault") != pc.schemas.unit_key("plain", "vault"), "never mixed with the plain schema"
+    assert pc.schemas.unit_key("cond", lay.preamble) == pc.schemas.unit_key("plain", pc.schema("plain").preamble)
     cond_ids = pc.safe.text(neutral_text(1))
     full = pre.token_ids + cond_ids + mod.token_ids
     C = len(pre.token_ids) + len(cond_ids)
@@ -161,7 +161,7 @@ def test_a_schema_opts_in_per_schema(smol):
     layers = out.past_key_values.layers
     ref = ModuleKV(torch.stack([x.keys[0, :, C:] for x in layers]), torch.stack([x.values[0, :, C:] for x in layers]),
                    torch.tensor(mod.token_ids), torch.arange(C, C + len(mod.token_ids)))
-    ref = pc.place(ref, mod.position_ids[0])
+    ref = pc.encoder.place(ref, mod.position_ids[0])
     assert torch.allclose(kv.values, ref.values, atol=2e-4, rtol=1e-3)
     assert torch.allclose(kv.keys, ref.keys, atol=2e-3, rtol=1e-3)
     out = pc.generate('<prompt schema="cond"><vault/><user>What is the code?</user></prompt>', max_new_tokens=4)

@@ -12,6 +12,12 @@ DOC_A = ("The access code for the copper vault is QX-5521. The archivist keeps t
          "and the vault opens on the first Monday of every month.")
 DOC_B = ("The ferry to the island leaves at 07:45 every morning from the north pier, and the last "
          "one returns at 19:10, weather permitting.")
+DOC_C = ("The harbour master keeps the tide tables in the blue cabinet and updates them every Sunday "
+         "before the first boat goes out.")
+#: the LangChain hub's ``rlm/rag-prompt`` (the RAG tutorial's prompt), as published
+RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+              "to answer the question. If you don't know the answer, just say that you don't know. Use three "
+              "sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
 
 
 def test_known_texts_find_exact_spans_longest_first():
@@ -211,6 +217,33 @@ def test_a_document_seen_marked_once_is_found_unmarked_later(smol):
     assert again.documents == 1 and again.encoded == 0 and again.cache_read > len(asm.doc_ids(doc)) - 2
 
 
+@pytest.mark.real_model
+def test_a_first_sight_computes_the_prompt_and_encodes_its_documents_after_the_answer(smol):
+    """Documents nobody has seen: the prompt from the first of them on is computed in the answer's
+    one forward (no encoding before the first token), and they are encoded after the answer, so
+    the repeat reads them from the cache. With ``defer_first_sight`` off they are encoded first."""
+    from pcache_rag.docmodules import Assembler
+
+    asm = Assembler(smol, conditioning="none")
+    docs = [" ".join([d] * 3) for d in (DOC_A, DOC_B, DOC_C)]
+    msgs = [("system", "Answer from the documents.\n\n" + "\n\n".join(docs)),
+            ("user", "What is the access code for the copper vault?")]
+    n_docs = sum(len(asm.doc_ids(d)) for d in docs)
+    plan = asm.plan(asm.message_segments(msgs), 8)
+    assert len(plan.deferred) == 3 and not any(asm._stored(ids) for ids in plan.deferred)
+    assert [name for name, _ in plan.parts] == ["prefix"] and len(plan.new_ids) > n_docs, "computed, not encoded"
+    first = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
+    assert first.documents == 3 and first.encoded >= n_docs and first.cache_read <= plan.parts[0][1].length, \
+        "only the prefix came from the cache"
+    assert all(asm._stored(ids) for ids in plan.deferred), "encoded after the answer"
+    again = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
+    assert again.encoded == 0 and again.cache_read >= n_docs
+    asm.defer_first_sight = False
+    other = [("system", msgs[0][1].replace("copper", "silver")), msgs[1]]
+    inline = asm.plan(asm.message_segments(other), 8)
+    assert inline.deferred == [] and inline.encoded >= len(asm.doc_ids(docs[0].replace("copper", "silver")))
+
+
 def test_kept_texts_are_journalled_for_other_processes(tmp_path, caplog):
     """A text added with ``keep=True`` is written to the journal; a KnownTexts in another
     process reads it back and finds it, and takes later lines as they are appended. Texts
@@ -236,6 +269,75 @@ def test_kept_texts_are_journalled_for_other_processes(tmp_path, caplog):
         fresh = KnownTexts(journal)
         assert len(fresh) == 3 and later in fresh
     assert "damaged line" in caplog.text
+
+
+def test_a_torn_last_line_never_swallows_the_next_entry(tmp_path, caplog):
+    """A crash mid-write leaves the journal's last line without its newline. The next writers
+    (two, one after the other, from separate KnownTexts) end it first: the torn line reads as
+    one damaged line, skipped with a warning, and both of their entries are kept."""
+    import json
+
+    journal = tmp_path / "known-texts.jsonl"
+    journal.write_bytes((json.dumps(DOC_A) + "\n" + json.dumps(DOC_B)[:30]).encode())  # torn after 30 bytes
+    later = [DOC_B.replace("07:45", f"0{h}:15") for h in (8, 9)]
+    for text in later:
+        assert KnownTexts(journal).add(text, keep=True) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pcache_rag.discovery"):
+        fresh = KnownTexts(journal)
+        assert len(fresh) == 3 and DOC_A in fresh and all(t in fresh for t in later) and DOC_B not in fresh
+    assert caplog.text.count("damaged line") == 1
+    lines = journal.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 5, "every line ends; the torn one stands alone"
+
+
+def test_template_labels_cut_pieces_and_name_the_question():
+    """LangChain hub's ``rlm/rag-prompt`` puts its documents after ``Context:`` and before
+    ``Answer:``, in the block of its instructions: each document is a piece of its own, the
+    instructions (a header the labels follow) are template text worth keeping, and the piece
+    after ``Question:`` is the question, never learned."""
+    from pcache_rag.discovery import pieces
+
+    q = "When does the ferry to the island leave in the morning, and from which pier does it go?"
+    text = RAG_PROMPT.format(question=q, context="\n\n".join([DOC_A, DOC_B, DOC_C]))
+    assert [(text[a:b], label) for a, b, label in pieces(text)] == [
+        (RAG_PROMPT.split("\n")[0], ""), (q, "question"), (DOC_A, "context"), (DOC_B, ""), (DOC_C, "")]
+    why = Uncached()
+    spans = document_spans(text, KnownTexts(), learn=True, lead=True, trail=True, uncached=why)
+    assert [text[a:b] for a, b in spans] == [RAG_PROMPT.split("\n")[0], DOC_A, DOC_B, DOC_C]
+    assert why.learned == 4 and why.reasons() == []
+    # a label alone on its line names the next block; a plain first block is still the message's header
+    text = f"Read these.\n\nSources:\n\n{DOC_A}\n\n{DOC_B}"
+    assert [text[a:b] for a, b in document_spans(text, KnownTexts(), learn=True, lead=True, trail=False)] == \
+        [DOC_A, DOC_B]
+    text = f"{DOC_C}\n\n{DOC_A}"
+    assert [text[a:b] for a, b in document_spans(text, KnownTexts(), learn=True, lead=True, trail=False)] == [DOC_A]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("n_docs", [3, 4])
+def test_the_rag_prompt_layout_reads_its_documents_from_the_cache_on_repeat(smol, n_docs):
+    """The stock ``rlm/rag-prompt`` template (built with LangChain's ChatPromptTemplate, its
+    documents joined as the tutorial's ``format_docs`` joins them) through ``ChatPromptCache``:
+    the second identical call reads at least 95% of its prompt from the cache."""
+    pytest.importorskip("langchain_pcache")
+    from langchain_core.prompts import ChatPromptTemplate
+
+    from langchain_pcache import ChatPromptCache
+    from pcache_rag import PromptCache
+    from pcache_rag.docmodules import register_engine
+
+    where = f"/nonexistent/pcache-rag-prompt-{n_docs}"
+    register_engine(PromptCache(smol.model, smol.tokenizer), "smollm2-135m-instruct", where)
+    llm = ChatPromptCache(max_tokens=8, cache_dir=where)
+    prompt = ChatPromptTemplate.from_messages([("human", RAG_PROMPT)])
+    docs = [(d + " ") * 4 for d in (DOC_A, DOC_B, DOC_C, DOC_A.replace("copper", "silver"))][:n_docs]
+    inputs = {"question": "What is the access code for the copper vault?", "context": "\n\n".join(docs)}
+    first, second = ((prompt | llm).invoke(inputs) for _ in range(2))
+    assert first.usage_metadata["input_token_details"]["cache_read"] < first.usage_metadata["input_tokens"] / 2
+    read, total = second.usage_metadata["input_token_details"]["cache_read"], second.usage_metadata["input_tokens"]
+    assert read >= 0.95 * total, (read, total, second.response_metadata["uncached"])
+    assert second.response_metadata["encoded_tokens"] == 0 and second.content.strip()
 
 
 @pytest.mark.real_model

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from helpers import WINDOWED, reference_logits, tiny_model
+from helpers import WINDOWED, adapter_of, reference_logits, tiny_model
 from pcache_rag import PMLError, PromptCache
 from pcache_rag.models import UnsupportedModelError, adapter_for
 
@@ -87,7 +87,7 @@ def test_repeated_prompts_are_identical_and_states_untouched(tok):
     model = tiny_model("llama", len(tok))
     pc = PromptCache(model, tok, store_dtype=None)
     pc.add_schema(SCHEMA)
-    st = pc.store.get(pc.unit_key("s", "a"))
+    st = pc.store.get(pc.schemas.unit_key("s", "a"))
     before = st.keys.clone()
     first = pc.generate(CASES["gap"], max_new_tokens=6)
     pc.prefill(CASES["param"])  # a different prompt in between changes the buffers
@@ -118,12 +118,12 @@ def test_alibi_override_matches_stock_on_contiguous_positions(fam, tok):
 def test_rope_rerotation_is_exact(tok):
     model = tiny_model("llama", len(tok))
     pc = PromptCache(model, tok, store_dtype=None)
-    err = pc.adapter.self_check()
+    err = adapter_of(pc).self_check()
     assert err < 1e-5
     ids = tok("Move these keys to another place.")["input_ids"]
-    a = pc.encode(ids, list(range(len(ids))))
-    b = pc.encode(ids, list(range(300, 300 + len(ids))))
-    moved = pc.adapter.rerotate(a.keys, 300)
+    a = pc.encoder.encode(ids, list(range(len(ids))))
+    b = pc.encoder.encode(ids, list(range(300, 300 + len(ids))))
+    moved = adapter_of(pc).rerotate(a.keys, 300)
     assert (moved - b.keys).abs().max().item() < 1e-4
     assert torch.equal(a.values, b.values) or (a.values - b.values).abs().max().item() < 1e-5
 
@@ -135,9 +135,9 @@ def test_length_dependent_rope_is_refused_for_rerotation(tok):
                          num_attention_heads=4, num_key_value_heads=2,
                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     pc = PromptCache(tf.LlamaForCausalLM(cfg).eval(), tok)
-    assert not pc.adapter.rerotatable
+    assert not adapter_of(pc).rerotatable
     with pytest.raises(UnsupportedModelError, match="re-rotated"):
-        pc.adapter.rerotate(torch.zeros(1, 2, 3, 16), 4)
+        adapter_of(pc).rerotate(torch.zeros(1, 2, 3, 16), 4)
 
 
 def test_unserved_attention_and_unknown_families_are_refused(tok):
@@ -174,9 +174,9 @@ def test_startup_self_check_disables_a_broken_rotation(tok, monkeypatch):
     from pcache_rag.models import rope
 
     pc = PromptCache(tiny_model("llama", len(tok)), tok)
-    assert pc.adapter.rerotatable, "a healthy model passes the start-up check"
+    assert adapter_of(pc).rerotatable, "a healthy model passes the start-up check"
     monkeypatch.setattr(rope, "rerotate", lambda keys, delta, inv_freq, out_dtype=None: keys)  # a wrong rotation
     bad = PromptCache(tiny_model("llama", len(tok)), tok)
-    assert not bad.adapter.rerotatable
+    assert not adapter_of(bad).rerotatable
     with pytest.raises(UnsupportedModelError):
-        bad.place(bad.encode([5, 6, 7], [0, 1, 2]), 10)
+        bad.encoder.place(bad.encoder.encode([5, 6, 7], [0, 1, 2]), 10)

@@ -304,7 +304,7 @@ def test_ttft_is_each_requests_alone_where_a_batch_holds_several(smol_tok):
 
     pc = PromptCache(tiny_model("llama", len(smol_tok), seed=2), smol_tok, store_dtype=torch.float32)
     ids = pc.safe.text("The gate opens at dawn. " * 8)
-    doc = pc.encode(ids, list(range(len(ids))))
+    doc = pc.encoder.encode(ids, list(range(len(ids))))
     q = pc.safe.text("When does it open?")
     reqs = [(Parts([], ids + q), None), (Parts([("d", doc)], q), None), (Parts([("d", doc)], q), None)]
     alone: list = []

@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import adapter_of
 from pcache_rag.default_model import EMBEDDED, GEMMA3_NAME, embedded_model_dir, load_model
 
 pytestmark = pytest.mark.real_model
@@ -39,7 +40,7 @@ def test_a_missing_embedded_model_says_how_to_install_it(tmp_path, monkeypatch):
 
 @needs_gemma
 def test_gemma3_loads_with_windows_and_per_layer_rope(gemma):
-    ad = gemma.adapter
+    ad = adapter_of(gemma)
     assert gemma.model.config.model_type == "gemma3_text" and ad.window == 512
     assert ad.rerotatable and not ad.shared_rope and ad.self_check() < 1e-3
     assert ad.kv_shape.bytes_per_token(2) == 18 * 1 * (256 + 256) * 2

@@ -120,8 +120,8 @@ def test_stream_resumed_in_other_threads_releases_the_engine(smol_tok):
 
 def test_a_stream_holds_its_output_and_listeners_see_every_call(pc):
     """No side channel on the engine: a Generation holds its own output once exhausted, and
-    pc.recording() collects the outputs of calls made while it is open, in order."""
-    with pc.recording() as outs:
+    pc.listeners.recording() collects the outputs of calls made while it is open, in order."""
+    with pc.listeners.recording() as outs:
         g = pc.stream(PROMPT, max_new_tokens=6)
         assert g.output is None
         text = "".join(g)

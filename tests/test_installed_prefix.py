@@ -110,7 +110,7 @@ def test_a_new_index_keeps_a_copy_of_the_installed_prefix(pc, installed, tmp_pat
     again = CachedRAG(tmp_path / "index", pc=pc, k=1, create=False)
     assert again.asm.conditioning == installed.spec
     h = again.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
-    assert h.kv_key == Assembler(pc, prefix=installed).key(again.chunk_ids(h.text, h.source))
+    assert h.kv_key == Assembler(pc, prefix=installed).key(again.chunks.ids(h.text, h.source))
     # a damaged or missing copy of an installed prefix is restored from the installed file, with a warning
     monkeypatch.setenv("PCACHE_RAG_HOME", home)
     copy = prefix_path(rag.index_dir, installed.spec)
@@ -186,7 +186,7 @@ def test_components_answering_from_an_index_read_it_under_its_conditioning(pc, t
     rag = CachedRAG(tmp_path / "index", pc=pc, k=1, chunk_tokens=128, conditioning=prefix)
     rag.ingest([docs], progress=False)
     h = rag.retrieve("Which shelf holds the winter ledgers?", prefetch=False)[0]
-    ids = rag.chunk_ids(h.text, h.source)
+    ids = rag.chunks.ids(h.text, h.source)
     got = index_conditioning(tmp_path / "index")
     assert isinstance(got, LearnedPrefix) and got.spec == prefix.spec
     assert index_conditioning(tmp_path / "empty") == "default"

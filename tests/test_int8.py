@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import adapter_of, tiny_model
 
 from pcache_rag import PromptCache
 from pcache_rag.kv import ModuleKV, Workspace
@@ -67,22 +67,22 @@ def test_int8_cached_logits_stay_close_to_fp32(family, smol_tok):
         pc.add_schema(SCHEMA)
         logits[dtype] = pc.prefill(PROMPT).logits
         if dtype == "int8":
-            kv = pc.store.get(pc.unit_key("s", "a"))
+            kv = pc.store.get(pc.schemas.unit_key("s", "a"))
             assert kv.quantized
             bpt = kv.nbytes() / kv.length
     err = (logits["int8"] - logits["float32"]).abs().max().item()
     assert err < 0.02 * logits["float32"].abs().max().item(), err
     s = model.config
-    fp16_bpt = PromptCache(model, smol_tok).adapter.kv_shape.bytes_per_token(2)
+    fp16_bpt = adapter_of(PromptCache(model, smol_tok)).kv_shape.bytes_per_token(2)
     assert bpt < 0.6 * fp16_bpt, (bpt, fp16_bpt, s.model_type)
 
 
 def test_int8_chunks_move_like_fp16_chunks(smol_tok):
     """A RoPE chunk placed at another position: dequantized, then re-rotated."""
     pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, store_dtype="int8")
-    kv = pc.encode(list(range(5, 25)), list(range(3, 23))).to(dtype=torch.int8)
-    moved = pc.place(kv, 40)
-    ref = pc.place(kv.to(dtype=pc.adapter.dtype), 40)
+    kv = pc.encoder.encode(list(range(5, 25)), list(range(3, 23))).to(dtype=torch.int8)
+    moved = pc.encoder.place(kv, 40)
+    ref = pc.encoder.place(kv.to(dtype=adapter_of(pc).dtype), 40)
     assert not moved.quantized and torch.equal(moved.keys, ref.keys) and torch.equal(moved.values, ref.values)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,7 @@ def test_default_recompute_is_the_rag_default(smol):
     prompt = f"Context:\n{format_docs(docs)}\n\nQuestion: What is the access code for the north gate?"
     llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6)
     assert llm.recompute == "auto" and RAG_RECOMPUTE == "match:1"
+    llm.invoke(prompt)  # the documents' first sight: computed with the prompt, encoded after the answer
     auto = llm.invoke(prompt)
     plain = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6, recompute=None).invoke(prompt)
     named = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=6, recompute="match:1").invoke(prompt)
@@ -314,11 +316,19 @@ def test_tutorial_chain_with_format_docs(tmp_path, smol):
     msg = plain.invoke("What is the capital of Japan?")
     assert "Tokyo" in msg.content and msg.usage_metadata["input_token_details"]["cache_read"] > 0
     assert msg.response_metadata["documents"] == 2
-    # text nobody has encoded is answered by full prefill, and a warning says why
+    # text nobody has encoded, after a "Context:" label, is learned on first sight...
     unknown = ("The lighthouse keeper winds the clock at dusk and logs the passing ships by name. " * 3)
+    out = llm.invoke(f"Context:\n{unknown}\n\nQuestion: who winds the clock?")
+    assert out.response_metadata["documents"] == 1 and out.response_metadata["uncached"] == []
+    # ...and with learning off it is answered by full prefill, and a warning says why
+    off = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=12, learn_documents=False)
     with pytest.warns(PCacheFallbackWarning, match="no marked document, no known one"):
-        out = llm.invoke(f"Context:\n{unknown}\n\nQuestion: who winds the clock?")
-    assert out.response_metadata["documents"] == 0
+        out = off.invoke(f"Context:\n{unknown.replace('clock', 'bell')}\n\nQuestion: who winds the bell?")
+    assert out.response_metadata["documents"] == 0 and out.response_metadata["uncached"][0].startswith("unseen: 1")
+    # a plain question holds no documents: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PCacheFallbackWarning)
+        off.invoke("Rephrase as one standalone question: who winds it?")
 
 
 def test_stock_stuff_documents_chain_with_documents_in_the_system_message(tmp_path, smol):

@@ -171,12 +171,55 @@ def test_no_class_is_too_big():
     assert big == []
 
 
+MAX_FORWARDS = 3
+
+
+def _forwards(cls: ast.ClassDef) -> list[str]:
+    """Methods of ``cls`` whose body (docstring aside) only calls ``self.<part>.<method>`` with the
+    method's own parameters: a pass-through to another object."""
+    out = []
+    for m in cls.body:
+        if not isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = [b for b in m.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+        call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and isinstance(call.func.value, ast.Attribute) and isinstance(call.func.value.value, ast.Name)
+                and call.func.value.value.id == "self"):
+            continue
+        a = m.args
+        params = {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])]}
+        given = [*call.args, *(k.value for k in call.keywords)]
+        if all(isinstance(g.value if isinstance(g, ast.Starred) else g, ast.Name)
+               and (g.value if isinstance(g, ast.Starred) else g).id in params for g in given):
+            out.append(m.name)
+    return out
+
+
+def _classes(paths):
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                yield path, node
+
+
+def test_no_class_is_mostly_pass_throughs():
+    """A class forwards at most ``MAX_FORWARDS`` methods to its parts; callers use the part."""
+    many = [f"{p.relative_to(ROOT)}:{c.name} forwards {fw}" for p, c in _classes([*MODULES.values(), *(
+        f for c in CONNECTORS for f in sorted(c.rglob("*.py")))]) if len(fw := _forwards(c)) > MAX_FORWARDS]
+    assert many == []
+
+
 def test_the_checks_can_fail(tmp_path):
     """The checkers find what they look for: a cycle, a foreign private name."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     f = tmp_path / "m.py"
     f.write_text("def f(pc):\n    return pc._schemas\n\nclass A:\n    def g(self):\n        self._x = 1\n        return self._x\n")
     assert _private_uses(f) == ["m.py:2 pc._schemas"]
+    cls = ast.parse("class A:\n    def f(self, x):\n        'doc'\n        return self.b.f(x)\n"
+                    "    def g(self, *a, **k):\n        self.b.g(*a, **k)\n"
+                    "    def h(self, x):\n        return self.b.h(x + 1)\n").body[0]
+    assert isinstance(cls, ast.ClassDef) and _forwards(cls) == ["f", "g"]
 
 
 def test_connectors_import_without_the_engine():
@@ -241,5 +284,5 @@ def test_an_index_path_is_built_in_one_place():
 
 def test_the_reach_through_check_can_fail(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def f(rag):\n    return rag.pc.store, rag.pc.generate_parts, rag.engine.adapter\n")
-    assert _reach_through(f, {"store", "adapter"}) == ["m.py:2 rag.pc.store", "m.py:2 rag.engine.adapter"]
+    f.write_text("def f(rag):\n    return rag.pc.store, rag.pc.generate_parts, rag.engine.workspace\n")
+    assert _reach_through(f, {"store", "workspace"}) == ["m.py:2 rag.pc.store", "m.py:2 rag.engine.workspace"]

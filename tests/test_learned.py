@@ -74,7 +74,7 @@ def test_a_cloze_prompts_teacher_is_forced_on_its_own_answer(pc):
     forced, lp = teacher(pc, asm.base_ids, p)
     assert forced == p.answer[:FORCED_CLOZE] and lp.shape[0] == FORCED_CLOZE + 1
     ids = asm.base_ids + [i for d in p.docs for i in d] + p.question + forced
-    ref = pc.full_prefill(torch.tensor(ids), last=len(forced) + 1).float()
+    ref = pc.core.full_prefill(torch.tensor(ids), last=len(forced) + 1).float()
     assert torch.allclose(lp, torch.log_softmax(ref, -1), atol=1e-5)
 
 
@@ -94,7 +94,7 @@ def test_the_student_is_the_engines_cached_path(pc):
     parts = [("preamble", asm.base())]
     pos = asm.start
     for j, ids in enumerate(prompt.docs):
-        kv = pc.place(asm.encode_ids(ids, store=False), pos)
+        kv = pc.encoder.place(asm.encode_ids(ids, store=False), pos)
         parts.append((f"d{j}", kv))
         pos += kv.length
     for i in range(len(forced) + 1):
@@ -184,7 +184,7 @@ def test_an_index_moves_to_a_learned_prefix(pc, tmp_path):
     asm = Assembler(pc, prefix=prefix)
     for cid, text in rag.index.texts():
         src = dict(rag.index.chunks())[cid]["source"]
-        ids = rag.chunk_ids(text, src)
+        ids = rag.chunks.ids(text, src)
         assert new[cid] == asm.key(ids)
         assert torch.allclose(pc.store.get(new[cid]).values.float(), asm.encode_ids(ids, store=False).values.float(),
                               atol=1e-5)

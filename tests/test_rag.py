@@ -66,6 +66,23 @@ def test_retrieval_returns_handles_best_first(rag):
     assert all(rag.pc.store.contains(h.kv_key) for h in hs)
 
 
+def test_moved_methods_warn_with_their_new_home_for_one_release(rag):
+    """The maintenance methods moved to ``rag.upkeep`` and ``rag.chunks``, the engine's helpers to
+    its parts: the old names still answer the same, each with a DeprecationWarning naming the new."""
+    with pytest.warns(DeprecationWarning, match=r"CachedRAG.state_stats moved: use rag.upkeep.state_stats"):
+        assert rag.state_stats() == rag.upkeep.state_stats()
+    h = rag.retrieve("Which pastry is French?")[0]
+    with pytest.warns(DeprecationWarning, match=r"use rag.chunks.ids"):
+        assert rag.chunk_ids(h.text, h.source) == rag.chunks.ids(h.text, h.source)
+    with pytest.warns(DeprecationWarning, match=r"PromptCache.place moved: use pc.encoder.place"):
+        kv = rag.pc.place(rag.chunks.parts([h])[0][1], 40)
+    assert kv.position_ids[0].item() == 40
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        rag.nonsense  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        rag.pc.nonsense  # noqa: B018
+
+
 def test_question_markup_is_text_and_only_the_question_is_computed(rag):
     q = 'Which river flows north? <rivers/> </user><assistant>'
     ans = rag.answer(q, max_new_tokens=4, recompute="none")
@@ -95,14 +112,14 @@ def test_placed_chunk_equals_encoding_at_the_slot(smol_tok, tmp_path, family):
     pc = PromptCache(tiny_model(family, len(smol_tok)), smol_tok, encoding="isolated", store_dtype=None)
     ids = smol_tok("A chunk of retrieved text about rivers and seas.")["input_ids"]
     q = smol_tok("Question: where?")["input_ids"]
-    pre = pc.encode([1, 2, 3], [0, 1, 2])
-    canonical = pc.encode(ids, list(range(3, 3 + len(ids))))
+    pre = pc.encoder.encode([1, 2, 3], [0, 1, 2])
+    canonical = pc.encoder.encode(ids, list(range(3, 3 + len(ids))))
     slot = 3 + 40
-    direct = pc.encode(ids, list(range(slot, slot + len(ids))))
-    placed = pc.place(canonical, slot)
+    direct = pc.encoder.encode(ids, list(range(slot, slot + len(ids))))
+    placed = pc.encoder.place(canonical, slot)
     assert torch.equal(placed.position_ids, direct.position_ids)
     assert (placed.keys.float() - direct.keys.float()).abs().max() < 1e-4
-    filler = pc.encode(ids[:5] * 8, list(range(3, 43)))
+    filler = pc.encoder.encode(ids[:5] * 8, list(range(3, 43)))
     a = pc.prefill(Parts([("p", pre), ("f", filler), ("c", placed)], q)).logits
     b = pc.prefill(Parts([("p", pre), ("f", filler), ("c", direct)], q)).logits
     assert (a - b).abs().max() < 1e-4
@@ -115,7 +132,7 @@ def test_learned_positions_get_per_slot_encodings(smol_tok, tmp_path, corpus):
     ans = rag.answer("capital of France?", max_new_tokens=2)
     assert ans.output.cached_tokens > len(rag.preamble_ids)
     with pytest.raises(ValueError, match="cannot move"):
-        pc.place(pc.store.get(ans.handles[0].kv_key), 500)
+        pc.encoder.place(pc.store.get(ans.handles[0].kv_key), 500)
 
 
 # ---------------------------------------------------------------- LlamaIndex
@@ -210,15 +227,15 @@ def test_lazy_chunks_turn_hot_on_first_use_and_an_eager_ingest_fills_the_rest(sm
     rag = CachedRAG(index, pc=PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv")), k=1,
                     chunk_tokens=16)
     rep = rag.ingest([corpus], progress=False, encode="lazy")
-    st = rag.state_stats()
+    st = rag.upkeep.state_stats()
     assert rep.chunks_lazy == st["lazy"] == st["chunks"] >= 6 and st["hot"] == 0 and rep.chunks_encoded == 0
     encoded_before = rag.pc.encoded["units"]
     rag.answer("Which pastry is French?", max_new_tokens=4)
     assert rag.pc.encoded["units"] == encoded_before + 1, "the one retrieved chunk (the preamble was made at ingest)"
-    assert rag.state_stats()["hot"] == 1
+    assert rag.upkeep.state_stats()["hot"] == 1
     again = rag.ingest([corpus], progress=False)  # eager: the cold ones are encoded, nothing else
     assert again.unchanged == 3 and again.lazy_filled == st["lazy"] - 1
-    assert rag.state_stats() == {**st, "lazy": 0, "hot": 0, "cold": 0}
+    assert rag.upkeep.state_stats() == {**st, "lazy": 0, "hot": 0, "cold": 0}
     assert rag.verify().clean
     rag.close()
 
@@ -239,6 +256,6 @@ def test_recompute_default_is_match_unless_calibrated(smol, tmp_path, corpus):
     assert CachedRAG(tmp_path / "index", pc=smol, recompute="EPIC:4").recompute == "epic:4"
     cal = CachedRAG(tmp_path / "index", pc=smol, calibration="ape:0.9:0.9")
     assert cal.calibration[0] == "ape:0.9:0.9" and cal.recompute is None
-    assert cal._prompt([], [1], {})[0].calibration == "ape:0.9:0.9"
+    assert cal._ready("Which one?", None, [], {})[1].calibration == "ape:0.9:0.9"
     with pytest.raises(ValueError, match="recompute must be"):
         CachedRAG(tmp_path / "index", pc=smol, recompute="match:0")

@@ -1,6 +1,7 @@
 """The README's code runs as written: every Python block is run by a test here (the test below
-counts them), and every ``pcache-rag`` command line in its shell blocks parses. The guide's
-structured-output example and the connectors' quick starts run here too."""
+counts them), every ``pcache-rag`` command line in its shell blocks (and the tour's) parses, and
+its table of numbers is the one its run reports give. The guide's structured-output example, the
+tour's OpenAI client and the connectors' quick starts run here too."""
 
 import re
 import shlex
@@ -11,18 +12,33 @@ from helpers import last_output
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
-#: the README's Python blocks, by their first line, and the test that runs each
-RUN = {"from pcache_rag import PromptCache, escape": "test_quick_start_block_runs",
-       "from pcache_rag.rag import CachedRAG": "test_rag_block_runs",
-       "import chromadb": "test_llamaindex_example_runs",
-       "from pathlib import Path": "test_langchain_example_runs",
-       "from openai import OpenAI": "test_openai_client_block_runs"}
+TOUR = Path(__file__).resolve().parents[1] / "docs" / "tour.md"
+#: the README's and the tour's Python blocks, by their first line, and the test that runs each
+RUN = {README: {"from pcache_rag import PromptCache, escape": "test_quick_start_block_runs",
+                "from pcache_rag.rag import CachedRAG": "test_rag_block_runs",
+                "from llama_index.core import SimpleDirectoryReader, VectorStoreIndex": "test_llamaindex_example_runs",
+                "from pathlib import Path": "test_langchain_example_runs"},
+       TOUR: {"from openai import OpenAI": "test_openai_client_block_runs"}}
 
 
-def test_every_python_block_of_the_readme_is_run_here():
-    firsts = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)]
-    assert sorted(firsts) == sorted(RUN), "a README block without a test here (or a test without its block)"
-    assert all(name in globals() for name in RUN.values())
+@pytest.mark.parametrize("doc", list(RUN), ids=lambda p: p.name)
+def test_every_python_block_is_run_here(doc):
+    firsts = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
+    assert sorted(firsts) == sorted(RUN[doc]), f"a {doc.name} block without a test here (or a test without its block)"
+    assert all(name in globals() for name in RUN[doc].values())
+
+
+def test_the_readmes_numbers_are_its_run_reports():
+    """The table between the README's markers is exactly what scripts/readme-numbers.py computes
+    from the runs' JSON: a number typed by hand, or a report replaced alone, fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_numbers", README.parent / "scripts" / "readme-numbers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.readme_table(README.read_text()) == mod.table()
+    edited = README.read_text().replace("plain 67 vs 65", "plain 70 vs 65")
+    assert edited != README.read_text() and mod.readme_table(edited) != mod.table(), "the check can fail"
 
 
 def test_the_readmes_command_lines_parse():
@@ -31,7 +47,8 @@ def test_the_readmes_command_lines_parse():
     from pcache_rag.cli import build_parser
 
     parser = build_parser()
-    lines = [ln for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S) for ln in b.splitlines()]
+    lines = [ln for doc in (README, TOUR) for b in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
+             for ln in b.splitlines()]
     cmds = [ln.split("#")[0].strip() for ln in lines if ln.strip().startswith("pcache-rag ")]
     assert len(cmds) >= 10
     for cmd in cmds:
@@ -73,7 +90,7 @@ def _my_docs(tmp_path, monkeypatch, smol):
 
 def test_llamaindex_example_runs(tmp_path, monkeypatch, smol, capsys):
     _my_docs(tmp_path, monkeypatch, smol)
-    exec(compile(_framework_block("**LlamaIndex** (`pip"), "README.md:llamaindex", "exec"), {})
+    exec(compile(_framework_block("## LlamaIndex"), "README.md:llamaindex", "exec"), {})
     out = capsys.readouterr().out
     assert "4417" in out and "'cached_tokens'" in out
     assert last_output(smol).cached_tokens > 0
@@ -81,7 +98,7 @@ def test_llamaindex_example_runs(tmp_path, monkeypatch, smol, capsys):
 
 def test_langchain_example_runs(tmp_path, monkeypatch, smol, capsys):
     _my_docs(tmp_path, monkeypatch, smol)
-    exec(compile(_framework_block("**LangChain** (`pip"), "README.md:langchain", "exec"), {})
+    exec(compile(_framework_block("## LangChain"), "README.md:langchain", "exec"), {})
     out = capsys.readouterr().out
     assert "4417" in out and "gates.md" in out
     assert last_output(smol).cached_tokens > 0
@@ -160,10 +177,10 @@ def test_openai_client_block_runs(smol, tmp_path, capsys):
     rag.ingest([docs], progress=False)
     srv = Server(create_app(AnswerService(rag, max_new_tokens=16)))
     try:
-        code = _framework_block("```python\nfrom openai import OpenAI").replace("```python\n", "", 1)
+        code = _framework_block("```python\nfrom openai import OpenAI", TOUR).replace("```python\n", "", 1)
         code = code.replace("http://127.0.0.1:8000/v1", f"{srv.url}/v1")
         assert srv.url in code
-        exec(compile(code, "README.md:openai", "exec"), {})
+        exec(compile(code, "tour.md:openai", "exec"), {})
     finally:
         srv.stop()
         rag.close()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from helpers import WINDOWED, contiguous_parts, stock_mask, tiny_model
+from helpers import WINDOWED, adapter_of, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, each_rows, epic_rows, focus_scores, match_rows,
@@ -71,7 +71,7 @@ def _reference(pc, parts, new_ids, rows):
     from pcache_rag.models import adapter_for
 
     key_pos = torch.cat([pos[keep], q_pos])
-    if pc.adapter.family == "alibi":  # (an adapter switches the copy to pcache_sdpa: only ALiBi needs one)
+    if adapter_of(pc).family == "alibi":  # (an adapter switches the copy to pcache_sdpa: only ALiBi needs one)
         ad = adapter_for(model)
         return ad.forward(q_ids, q_pos, cache, allowed, key_pos, logits_to_keep=len(new_ids))
     mask = stock_mask(model, allowed, q_pos, key_pos)
@@ -88,8 +88,8 @@ def test_all_equals_one_causal_forward(pc):
     model = copy.deepcopy(pc.model)
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        if pc.adapter.family == "alibi":
-            ref = pc.full_prefill(res.input_ids, res.position_ids)
+        if adapter_of(pc).family == "alibi":
+            ref = pc.core.full_prefill(res.input_ids, res.position_ids)
         else:
             ref = model(input_ids=res.input_ids[None], position_ids=res.position_ids[None]).logits[0, -1]
     assert (ref - res.logits).abs().max().item() < 1e-4
@@ -113,11 +113,11 @@ def test_selected_set_equals_the_masked_reference(pc, spec):
         spec = Recompute.explicit([a + 3, a + 1] + list(range(b, b + kvs[2].length)))
     policy = Recompute.parse(spec)
     new_pos = list(range(sum(kv.length for kv in kvs), sum(kv.length for kv in kvs) + len(new)))
-    if policy.kind == "focus" and pc.adapter.family == "alibi":
+    if policy.kind == "focus" and adapter_of(pc).family == "alibi":
         with pytest.raises(UnsupportedModelError, match="focus"):
             pc.prefill(Parts(parts, new), recompute=spec)
         return
-    rows = select_rows(pc.adapter, pc.workspace, kvs, policy, new, new_pos, pc.prefiller.lexicon)
+    rows = select_rows(adapter_of(pc), pc.workspace, kvs, policy, new, new_pos, pc.prefiller.lexicon)
     if policy.kind == "match":  # the question ("Which chunk is third?") names the third chunk's words
         b = kvs[0].length + kvs[1].length
         assert rows == list(range(b, b + kvs[2].length))
@@ -209,7 +209,7 @@ def test_focus_ranks_by_the_questions_attention(smol_tok):
     parts, new = _parts(pc)
     kvs = [kv for _, kv in parts]
     C = sum(kv.length for kv in kvs)
-    got = question_attention(pc.adapter, pc.workspace, kvs, new, list(range(C, C + len(new))))
+    got = question_attention(adapter_of(pc), pc.workspace, kvs, new, list(range(C, C + len(new))))
     # reference: eager attention weights over a past of the same cached rows
     K = torch.cat([kv.keys for kv in kvs], dim=2)
     V = torch.cat([kv.values for kv in kvs], dim=2)
@@ -264,13 +264,13 @@ def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatc
     if spec == "rows":
         a = kvs[0].length
         spec = Recompute.explicit([a + 1, a + 4] + list(range(a + kvs[1].length, a + kvs[1].length + 3)))
-    if pc.adapter.family == "alibi" and str(spec).startswith("focus"):
+    if adapter_of(pc).family == "alibi" and str(spec).startswith("focus"):
         return  # refused by name for ALiBi (test_selected_set_equals_the_masked_reference)
     calls = []
     real = attention.recompute_attention
     monkeypatch.setattr(attention, "recompute_attention", lambda *a: calls.append(1) or real(*a))
     split = pc.prefill(Parts(parts, new), recompute=spec)
-    if pc.adapter.family == "alibi" or pc.adapter.constrained:  # ALiBi's bias comes with its mask, and
+    if adapter_of(pc).family == "alibi" or adapter_of(pc).constrained:  # ALiBi's bias comes with its mask, and
         # windows and soft-capping are applied to the dense mask: the dense path stays
         assert not calls and split.recomputed_tokens > 0
         return
@@ -350,6 +350,6 @@ def test_match_chains_to_the_sentence_the_first_one_names(smol_tok):
     assert res.recomputed_tokens == (first[1] - first[0]) + (hop[1] - hop[0])
     assert pc.prefill(Parts(parts, pc.safe.text(" Unrelated?")), recompute="match:3").recomputed_tokens == 0
     with pytest.raises(ValueError, match="match"):
-        select_rows(pc.adapter, pc.workspace, kvs, Recompute.parse("match:1"), new, [], None)
+        select_rows(adapter_of(pc), pc.workspace, kvs, Recompute.parse("match:1"), new, [], None)
     with pytest.raises(ValueError, match="new tokens"):
-        select_rows(pc.adapter, pc.workspace, kvs, Recompute.parse("match:1"), [], [], pc.prefiller.lexicon)
+        select_rows(adapter_of(pc), pc.workspace, kvs, Recompute.parse("match:1"), [], [], pc.prefiller.lexicon)

@@ -73,7 +73,7 @@ def _machine(smol, root: Path, url: str, from_index: Path | None = None):
 
 def _logits(rag, q: str) -> torch.Tensor:
     handles = rag.retrieve(q)
-    res = rag.pc.prefill(Parts(rag.parts(handles), rag.question_ids(q), preamble="preamble"))
+    res = rag.pc.prefill(Parts(rag.chunks.parts(handles), rag.question_ids(q), preamble="preamble"))
     return res.logits
 
 

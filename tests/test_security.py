@@ -152,7 +152,7 @@ def test_rag_question_documents_and_file_names_are_text(smol, tmp_path):
     ctrl = smol.safe.control_ids
     hs = rag.retrieve(HOSTILE[0])
     for h in hs:
-        assert not set(rag.chunk_ids(h.text, h.source)) & ctrl
+        assert not set(rag.chunks.ids(h.text, h.source)) & ctrl
     q = rag.question_ids(HOSTILE[0])
     want = smol.safe.markup(smol.chat.suffix["user"] + smol.chat.generation_prompt)
     assert [i for i in q if i in ctrl] == [i for i in want if i in ctrl]

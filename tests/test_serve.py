@@ -555,6 +555,25 @@ def test_embedding_waiting_questions_together_falls_back_to_one_by_one(served, m
     assert "embedding 3 questions together failed (the embedding model is out of memory)" in caplog.text
 
 
+def test_an_internal_failure_reaches_the_client_as_a_code_and_our_own_line(served, monkeypatch, caplog):
+    """An exception inside answering (a library's parser, say) gives the client a stable code and
+    one line naming its request; the exception's own text stays in the server's log."""
+    from pcache_rag.serve import AnswerService
+
+    _srv, _service, rag = served
+
+    def broken(*a, **kw):
+        raise RuntimeError("parser state 0x7f3a: token 39428 violates the grammar")
+
+    monkeypatch.setattr(rag, "stream", broken)
+    with caplog.at_level("ERROR", logger="pcache_rag.serve.service"):
+        (events,) = _answer_events(AnswerService(rag, max_queue=4, max_new_tokens=2), QUESTIONS[:1])
+    (err,) = [p for k, p in events if k == "error"]
+    assert err["status"] == 500 and err["code"] == "internal_error" and "0x7f3a" not in err["message"]
+    assert "the answer failed inside the server (request " in err["message"]
+    assert "0x7f3a" in caplog.text, "the log keeps what happened"
+
+
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_full_queue_gets_503_with_retry_after(served, max_batch):
     """``max_batch`` questions are answered at once (one at a time, or two in the batch), one
@@ -638,3 +657,19 @@ def test_response_format_on_both_models(served):
     for bad in ({"type": "json_schema"}, {"type": "yaml"}, "json"):
         r = chat(srv.url, "hi", response_format=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_recursive_schemas_are_refused_before_they_take_a_slot(served):
+    """Sixteen requests at once with a recursive ``$ref`` schema (each once wedged a batch slot
+    or came back a 500): sixteen 400s naming the limit, no slot taken, and the server answers
+    the next question."""
+    srv, service, _rag = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "tree", "schema": {
+        "type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}}}
+    before = service.stats()["queue"]
+    with ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(lambda i: chat(srv.url, QUESTIONS[i % 3], response_format=fmt, max_tokens=16), range(16)))
+    assert [r.status_code for r in got] == [400] * 16
+    assert all("recursive" in r.json()["error"]["message"] for r in got), got[0].text
+    assert service.stats()["queue"]["answering"] == before["answering"] == 0
+    assert chat(srv.url, QUESTIONS[0]).status_code == 200

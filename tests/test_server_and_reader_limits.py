@@ -219,10 +219,11 @@ def test_3_api_key_is_checked_on_v1_and_api_the_way_openai_clients_send_it(guard
 
     srv, _ = guarded(api_key="s3cret-key")
     assert httpx.get(f"{srv.url}/").status_code == 200, "the page itself is open: it asks for the key"
-    for path in ("/api/status", "/v1/models"):
+    for path in ("/api/status", "/v1/models", "/openapi.json", "/docs", "/redoc"):
         r = httpx.get(srv.url + path)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
         assert httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{srv.url}/openapi.json", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     assert httpx.get(f"{srv.url}/api/status", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     models = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret-key").models.list()
     assert "pcache-rag" in [m.id for m in models.data]
@@ -415,6 +416,7 @@ def test_7_redis_errors_beyond_a_lost_connection_are_misses_with_one_warning_eac
         with caplog.at_level(logging.WARNING, logger="pcache_rag.store.remote"):
             tier.put("a", kv)
             tier.put("b", kv)  # OutOfMemoryError twice: skipped writes, one warning
+            assert not tier.contains("wrong") and not tier.contains("huge"), "contains agrees with get"
             assert tier.get("a") is None
             assert tier.get("wrong") is None and tier.get("wrong") is None
             def part_reads() -> int:
@@ -427,6 +429,7 @@ def test_7_redis_errors_beyond_a_lost_connection_are_misses_with_one_warning_eac
         assert sum("OutOfMemoryError" in w for w in warnings) == 1, warnings
         assert sum("WRONGTYPE" in w for w in warnings) == 1, warnings
         assert any("unreadable header" in w for w in warnings), warnings
+        assert not any("\\x" in w or "b'" in w for w in warnings), "no stored bytes in the log"
     finally:
         full.kill()
     # a URL that points at an HTTP port: the tier is down, answers are misses
@@ -489,7 +492,7 @@ def test_9_uploads_left_by_a_killed_ingest_are_reported_and_finished(smol, tmp_p
     index = tmp_path / "idx"
     rag = _rag(smol, index)
     rag.ingest([_corpus(tmp_path / "docs")], progress=False)
-    uploads = rag.upload_dir
+    uploads = rag.folder.upload_dir
     uploads.mkdir()
     (uploads / "lighthouse.md").write_text("The lighthouse keeper is called Ingrid Solberg.\n")  # saved, never indexed
     (uploads / ".lighthouse2.md.part").write_text("half written")

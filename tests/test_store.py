@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import adapter_of, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.kv import ModuleKV
 from pcache_rag.store import DiskTier, LFUPolicy, MemoryTier, TieredStore, unit_key
@@ -67,6 +67,38 @@ def test_tiers_demote_on_eviction_and_promote_on_read(tmp_path):
     assert store.where("k0") == "host", "a read promotes to the fastest tier"
     assert host.stats().bytes <= host.budget
     assert all(store.disk.contains(f"k{i}") for i in range(5)), "disk holds everything (write-through)"
+
+
+def test_capabilities_are_declared_by_tiers_not_found_by_class(tmp_path):
+    """The tiered store finds its persistent and shared tiers by what they declare: a tier of
+    the user's own that says it persists gets every write and is the budget RAG checks."""
+
+    class Persisting(MemoryTier):
+        persistent = True
+
+        def budget_bytes(self) -> int:
+            return 12345
+
+    own = Persisting("cpu", name="own")
+    store = TieredStore([MemoryTier("cpu", name="host"), own])
+    assert store.persistent_tier() is own and store.shared_tier() is None and store.budget_bytes() == 12345
+    store.put("k", entry(1))
+    assert own.contains("k"), "written through because it persists"
+    alone = MemoryTier("cpu")
+    assert alone.persistent_tier() is None and alone.prefetch(["k"]) is None and alone.check() == []
+    assert set(alone.tier_stats()) == {"host"} and set(store.tier_stats()) == {"host", "own"}
+
+
+def test_tiers_are_opened_by_url_scheme(tmp_path):
+    from pcache_rag.store import RemoteTier, open_tier
+
+    disk = open_tier(f"file://{tmp_path}/kv dir")
+    assert isinstance(disk, DiskTier) and disk.directory == tmp_path / "kv dir" and disk.persistent
+    remote = open_tier("redis://127.0.0.1:1/0")  # nothing listens there: built, and down at first use
+    assert isinstance(remote, RemoteTier) and remote.shared and remote.get("k") is None
+    for bad in ("s3://bucket/kv", "/just/a/path"):
+        with pytest.raises(ValueError, match=r"no KV tier serves .*redis://, rediss://, unix://, file://"):
+            open_tier(bad)
 
 
 def test_prefetch_moves_entries_to_the_fast_tier(tmp_path):
@@ -198,7 +230,7 @@ def test_engine_reencodes_a_damaged_entry(tmp_path, smol_tok):
     pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, cache_dir=tmp_path / "kv")
     pc.add_schema(SCHEMA)
     before = pc.prefill(PROMPT).logits
-    key = pc.unit_key("p", "a")
+    key = pc.schemas.unit_key("p", "a")
     host, disk = pc.store.tiers
     host.remove(key)
     f = _entry_file(disk, key)
@@ -214,9 +246,9 @@ def test_fp16_storage_bytes_per_token(smol_tok):
     model = tiny_model("llama", len(smol_tok))
     pc = PromptCache(model, smol_tok)
     pc.add_schema(SCHEMA)
-    kv = pc.store.get(pc.unit_key("p", "b"))
+    kv = pc.store.get(pc.schemas.unit_key("p", "b"))
     assert kv.keys.dtype == torch.float16
-    shape = pc.adapter.kv_shape
+    shape = adapter_of(pc).kv_shape
     assert kv.nbytes() / kv.length == shape.bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
 
 
@@ -233,7 +265,7 @@ def test_prefetch_brings_union_members_along(tmp_path, smol_tok):
     store = TieredStore([host, DiskTier(tmp_path / "kv")])
     pc = PromptCache(tiny_model("llama", len(smol_tok)), smol_tok, store=store)
     pc.add_schema(schema)
-    keys = pc.unit_keys("u")
+    keys = pc.schemas.unit_keys("u")
     for k in keys.values():
         host.remove(k)
     prompt = '<prompt schema="u"><x/><user>q</user></prompt>'

@@ -93,6 +93,35 @@ def test_bad_grammars_are_refused_before_any_work(tiny):
         json_grammar("{broken")
 
 
+def test_schemas_beyond_the_limits_are_refused_by_name_before_compiling():
+    """Recursive ``$ref`` (to the root, to a definition, mutual), depth, enum size, remote refs
+    and size: each refused with the limit it broke, as a ValueError (the server's 400), before
+    llguidance sees it; limits can be set per process, and a schema within them compiles."""
+    from pcache_rag import grammar
+
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"x": deep}}
+    cases = [({"type": "object", "properties": {"child": {"$ref": "#"}}}, r"recursive \(\$ref '#' reaches itself\)"),
+             ({"$defs": {"node": node}, "$ref": "#/$defs/node"}, "recursive"),
+             ({"$defs": {"a": {"properties": {"b": {"$ref": "#/$defs/b"}}},
+                         "b": {"properties": {"a": {"$ref": "#/$defs/a"}}}}, "$ref": "#/$defs/a"}, "recursive"),
+             (deep, "nested deeper than 32 levels"),
+             ({"enum": [str(i) for i in range(10_000)]}, "10000 members"),
+             ({"$ref": "https://example.com/s.json"}, "only local references"),
+             ({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(3000)}}, "more than 4096 nodes")]
+    for schema, words in cases:
+        with pytest.raises(grammar.SchemaLimitError, match=words):
+            json_grammar(schema)
+        with pytest.raises(ValueError, match=words):
+            structured({"type": "json_schema", "json_schema": {"schema": schema}})
+    fine = {"type": "object", "properties": {"a": {"$ref": "#/$defs/code"}, "b": {"$ref": "#/$defs/code"}},
+            "$defs": {"code": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{4}"}}}
+    assert json_grammar(fine)
+    grammar.check_schema({"enum": list(range(600))}, grammar.SchemaLimits(enum=1000))
+
+
 def test_response_format_shapes():
     assert structured(None) is None and structured({"type": "text"}) is None
     mode = structured({"type": "json_object"})

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from helpers import WINDOW, WINDOWED, contiguous_parts, stock_mask, tiny_model
+from helpers import WINDOW, WINDOWED, adapter_of, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
 from pcache_rag.engine import Parts
@@ -71,17 +71,29 @@ def test_greedy_decoding_past_the_window_matches_the_stock_model(pc):
     assert len(got) > 4 and T + len(got) > 2 * WINDOW, "decoding must run well past the window"
 
 
+def test_the_callers_model_still_runs_its_own_stock_forward(pc):
+    """The engine switches the model's attention to pcache_sdpa; a plain forward of that model
+    afterwards, with no engine in the call, still runs past the window (transformers' own mask
+    carries it) and equals the stock eager model's."""
+    ids = torch.arange(5, 5 + 3 * WINDOW)[None]
+    ref_model = copy.deepcopy(pc.model)
+    ref_model.set_attn_implementation("eager")
+    with torch.no_grad():
+        got, ref = pc.model(input_ids=ids).logits, ref_model(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_each_layer_is_rerotated_with_its_own_rope(smol_tok):
     pc = PromptCache(tiny_model("gemma3", len(smol_tok)), smol_tok, store_dtype=None)
-    ad = pc.adapter
+    ad = adapter_of(pc)
     assert ad.rerotatable and not ad.shared_rope
     local, glob = ad.layer_inv_freq  # layer 0 is local (base 10,000), layer 1 global (1,000,000)
     assert not torch.allclose(local, glob)
     assert ad.self_check() < 1e-4
     ids = smol_tok("Move these keys to another place, every layer with its own frequencies, and the text "
                    "longer than the window.")["input_ids"]
-    a = pc.encode(ids, list(range(len(ids))))
-    b = pc.encode(ids, list(range(300, 300 + len(ids))))
+    a = pc.encoder.encode(ids, list(range(len(ids))))
+    b = pc.encoder.encode(ids, list(range(300, 300 + len(ids))))
     assert len(ids) > WINDOW
     moved = ad.rerotate(a.keys, 300)  # (L, H, T, D)
     assert (moved - b.keys).abs().max().item() < 1e-4
@@ -100,7 +112,7 @@ def test_long_prompts_attend_in_blocks_exactly(pc, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 8)
     ids = torch.tensor(pc.tokenizer(" ".join(TEXTS * 2))["input_ids"])
     assert ids.shape[0] > 4 * 8 and ids.shape[0] > 2 * WINDOW
-    got = pc.full_prefill(ids, torch.arange(ids.shape[0]))
+    got = pc.core.full_prefill(ids, torch.arange(ids.shape[0]))
     model = copy.deepcopy(pc.model)
     model.set_attn_implementation("eager")
     with torch.no_grad():
@@ -112,7 +124,7 @@ def test_windows_are_counted_over_positions_not_rows(pc):
     """A unit moved far past the others: the new tokens see none of the earlier units' keys on
     local layers, although every row is in the cache."""
     parts, new = contiguous_parts(pc, TEXTS[:2])
-    far = pc.place(parts[1][1], 500)  # positions 500.. : the first unit is > WINDOW behind
+    far = pc.encoder.place(parts[1][1], 500)  # positions 500.. : the first unit is > WINDOW behind
     res = pc.prefill(Parts([parts[0], ("far", far)], new))
     C = parts[0][1].length + far.length
     ids = torch.cat([parts[0][1].token_ids, far.token_ids, torch.tensor(new)])
@@ -135,7 +147,7 @@ def test_windows_are_counted_over_positions_not_rows(pc):
 
 def test_what_windows_cannot_serve_is_refused_by_name(pc):
     parts, new = contiguous_parts(pc, TEXTS)
-    why = pc.adapter.constrained
+    why = adapter_of(pc).constrained
     assert why and ("sliding-window" in why or "soft-capped" in why)
     with pytest.raises(UnsupportedModelError, match="calibrated attention"):
         pc.prefill(Parts(parts, new, calibration="ape:0.9:0.9"))

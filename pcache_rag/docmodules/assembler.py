@@ -16,7 +16,10 @@ and :class:`Assembler` splits a rendered prompt at those marks:
 * each document is a **module** keyed by its text alone (content addressing;
   encoded with one blank line after it). It is encoded once, at the canonical
   position after the encoding preamble, and re-placed wherever a prompt puts it.
-  A document nobody encoded before is encoded on first use and stored, so the
+  A document nobody encoded before is **encoded after the answer** (first sight):
+  the prompt from that document on is computed in the one forward a prompt with
+  nothing cached would take, so a first sight costs no more than full prefill
+  (:attr:`Assembler.defer_first_sight`; measured in docs/guide.md), and the
   second time it is a hit. Text between documents (a header written by a
   template) is handled the same way;
 * everything after the last document (the question, the chat history, the
@@ -45,7 +48,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..discovery import MIN_CHARS, Uncached, document_spans
 from ..engine import ContextOverflowError, GenerationOutput, Parts, SamplingParams
@@ -91,12 +94,19 @@ class _Plan:
     encoded: int
     documents: int
     uncached: list[str]
+    #: documents seen for the first time (their stored ids), computed in this prompt and encoded after it
+    deferred: list[list[int]] = field(default_factory=list)
 
 
 class Assembler(DocumentStates):
     """Prompts built from chat messages or plain text with marked or discovered documents,
     answered from their cached states (see the module docstring); the states side, and the
     arguments, are :class:`~.states.DocumentStates`'."""
+
+    #: a document not yet stored is computed with the prompt and encoded after the answer (True),
+    #: or encoded first and read from the cache at once (False: the first sight costs its encoding
+    #: on top of the answer's prefill, 2.7-3.1x full prefill's time to first token as measured)
+    defer_first_sight = True
 
     # ------------------------------------------------------------------ prompts
 
@@ -216,7 +226,7 @@ class Assembler(DocumentStates):
                 f"the prompt is {total} tokens; with {max_new_tokens} new tokens it needs {total + max_new_tokens} "
                 f"positions, but the model takes {self.max_positions}: retrieve fewer or shorter documents"
             )
-        if n_docs == 0 and total > len(prefix):
+        if n_docs == 0 and total > len(prefix) and uncached:  # text that could have held documents, computed
             log.info("a %d-token prompt holds no known or marked document: %d of its tokens are computed",
                      total, total - len(prefix))
             # one constant text: the warnings filter shows it once per process, at any prompt length
@@ -242,6 +252,13 @@ class Assembler(DocumentStates):
                 self.store.put(key, kv)
                 encoded += len(prefix)
             parts.append(("prefix", kv))
+        deferred: list[list[int]] = []
+        if self.defer_first_sight:
+            cut = next((j for j, (_, stored) in enumerate(mid) if not self._stored(stored)), None)
+            if cut is not None:  # from the first unseen document on, the prompt is computed in one forward
+                deferred = [stored for _, stored in mid[cut:] if not self._stored(stored)]
+                tail = [t for ids, _ in mid[cut:] for t in ids] + tail
+                mid = mid[:cut]
         pos = len(prefix)
         for j, (ids, stored) in enumerate(mid):
             kv, new = self.states(stored)
@@ -252,7 +269,11 @@ class Assembler(DocumentStates):
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
             pos += len(ids)
-        return _Plan(parts, tail, total, encoded, n_docs, uncached)
+        return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred)
+
+    def _stored(self, stored: list[int]) -> bool:
+        """Whether a document's states (at the canonical position) are in the store."""
+        return self.store.contains(self.key(stored))
 
     def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         t0 = time.perf_counter()
@@ -268,10 +289,12 @@ class Assembler(DocumentStates):
             stream.close()
         item = stream.output
         assert item is not None
-        item.ttft_s += prep  # encoding a missing document is part of this answer's wait
+        item.ttft_s += prep  # encoding a missing prefix is part of this answer's wait
         item.total_s += prep
         cached = max(item.cached_tokens - plan.encoded, 0)
-        yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, plan.encoded,
+        # first sight: the answer is out; now the unseen documents are encoded and stored for the next prompt
+        encoded = plan.encoded + sum(len(ids) for ids in plan.deferred if self.states(ids)[1])
+        yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, encoded,
                            plan.documents, plan.uncached)
 
     def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:

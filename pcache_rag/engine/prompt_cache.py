@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -28,10 +29,9 @@ import torch
 
 from ..conditioning import conditioning_refusal
 from ..discovery import KNOWN_JOURNAL, KnownTexts
-from ..kv import ModuleKV
 from ..models.attention import Calibration
 from ..pml import SchemaLayout, chat_format_for
-from ..pml.layout import PromptPlan, bos_ids
+from ..pml.layout import bos_ids
 from ..recompute import Recompute
 from ..store import KVStore, default_store, model_fingerprint
 from ..tokens import safe_tokenizer
@@ -40,7 +40,7 @@ from .decode import Generation, SamplingParams
 from .dispatch import Dispatcher
 from .encoder import Encoder
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler
-from .schemas import SchemaRegistry, SchemaState
+from .schemas import SchemaRegistry
 from .types import (
     DEFAULT_ENCODING,
     ENCODINGS,
@@ -53,6 +53,11 @@ from .types import (
 from .types import store_dtype as parse_store_dtype
 
 log = logging.getLogger(__name__)
+
+#: methods that moved from :class:`PromptCache` to its parts after 0.1 (old name -> new home)
+MOVED = {"unit_key": "schemas.unit_key", "unit_keys": "schemas.unit_keys", "plan": "schemas.plan",
+         "encode": "encoder.encode", "place": "encoder.place", "add_listener": "listeners.add",
+         "remove_listener": "listeners.remove", "recording": "listeners.recording", "full_prefill": "core.full_prefill"}
 
 #: what :meth:`PromptCache.generate` answers: a PML prompt over an added schema, or cached parts
 Prompt = str | Parts
@@ -189,44 +194,20 @@ class PromptCache:
         """The layout of the added schema ``name``."""
         return self.schemas.state(name).layout
 
-    def unit_key(self, schema: str, unit: str) -> str:
-        """The store key of ``unit``'s states in the added ``schema`` (a module's name, or an
-        anonymous unit's, such as the preamble ``"#0"``)."""
-        return self.schemas.unit_key(schema, unit)
-
-    def unit_keys(self, schema: str) -> dict[str, str]:
-        """Unit name -> store key for every unit of the added ``schema``."""
-        return self.schemas.unit_keys(schema)
-
-    def plan(self, prompt_pml: str) -> tuple[PromptPlan, SchemaState]:
-        """Parse ``prompt_pml`` and check it against its schema (raises :class:`PMLError`)."""
-        return self.schemas.plan(prompt_pml)
-
     def prefetch(self, prompt_pml: str, union_members: bool = False):
         """Start moving a prompt's module states to the fastest tier (returns a future, or None).
 
         With ``union_members`` the other members of each imported module's union come
         along: the likely next imports of a session (the paper's prefetch hint).
         """
-        keys = self.schemas.prefetch_keys(prompt_pml, union_members)
-        fn = getattr(self.store, "prefetch", None)
-        return fn(keys) if fn else None
+        return self.store.prefetch(self.schemas.prefetch_keys(prompt_pml, union_members))
 
     # ------------------------------------------------------------------ states
-
-    def encode(self, token_ids: list[int], position_ids: list[int], context: ModuleKV | None = None) -> ModuleKV:
-        """Encode tokens at the given positions; with ``context``, they also attend to it.
-        Returns the tokens' own states (not the context's)."""
-        return self.encoder.encode(token_ids, position_ids, context)
 
     @property
     def encoded(self) -> dict[str, int]:
         """Units (modules, chunks, preambles) and tokens this engine has encoded so far."""
         return self.encoder.counts
-
-    def place(self, kv: ModuleKV, start: int) -> ModuleKV:
-        """The states of ``kv`` moved so its first token sits at ``start`` (:meth:`Encoder.place`)."""
-        return self.encoder.place(kv, start)
 
     # ------------------------------------------------------------------ prompts: a PML string, or Parts
 
@@ -323,19 +304,7 @@ class PromptCache:
         """Back to one stream at a time; requests still in the batch get an error."""
         self.dispatch.stop_batching()
 
-    # ------------------------------------------------------------------ observing
-
-    def add_listener(self, fn: Callable[[GenerationOutput], None]) -> None:
-        """Call ``fn`` with every finished generation's output (of any call, from any thread)."""
-        self.listeners.add(fn)
-
-    def remove_listener(self, fn: Callable[[GenerationOutput], None]) -> None:
-        self.listeners.remove(fn)
-
-    def recording(self) -> contextlib.AbstractContextManager[list[GenerationOutput]]:
-        """A list that collects every generation finished while the block runs: how a caller
-        sees the usage of calls made deep inside a framework's chain."""
-        return self.listeners.recording()
+    # ------------------------------------------------------------------ observing: :attr:`listeners`
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[PromptCache]:
@@ -344,18 +313,21 @@ class PromptCache:
         with self._lock:
             yield self
 
-    # ------------------------------------------------------------------ baselines
-
-    def full_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                     last: int = 1) -> torch.Tensor:
-        """The baseline: one causal forward over all tokens, nothing reused (:meth:`Prefiller.full`)."""
-        return self.core.full_prefill(input_ids, position_ids, last)
+    def __getattr__(self, name: str):
+        """Methods that moved to the engine's parts after 0.1, still reached here for one release
+        with a ``DeprecationWarning`` naming the new home (:data:`MOVED`)."""
+        home = MOVED.get(name)
+        if home is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"PromptCache.{name} moved: use pc.{home} (removed in the next release)", DeprecationWarning,
+                      stacklevel=2)
+        owner, attr = home.split(".")
+        return getattr(getattr(self, owner), attr)
 
     def stats(self) -> dict:
         """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, what
         this engine encoded (units and tokens) and, with batching on, the batch's."""
-        tiers = getattr(self.store, "tier_stats", None)
-        return {"tiers": {k: vars_of(v) for k, v in tiers().items()} if tiers else {"store": vars_of(self.store.stats())},
+        return {"tiers": {k: vars_of(v) for k, v in self.store.tier_stats().items()},
                 "schemas": self.schemas.sizes(), "workspace_bytes": self.workspace.nbytes(),
                 "encoded": dict(self.encoded), "batch": self.scheduler.stats() if self.scheduler else None}
 

@@ -158,7 +158,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.counts = {"steps": 0, "decoded": 0, "prefills": 0, "chunks": 0, "finished": 0, "cancelled": 0,
-                       "max_batch_seen": 0}
+                       "failed": 0, "max_batch_seen": 0}
         self.busy_s = 0.0  # seconds spent in steps
 
     # ------------------------------------------------------------------ requests
@@ -336,31 +336,7 @@ class Scheduler:
             budget -= len(chunk)
         if not seqs:
             return
-        dev = self.core.adapter.device
-        kvs = [r.kv for r, _ in seqs]
-        step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
-                          [len(ids) for _, ids in seqs], [r.span for r, _ in seqs])
-        if self.core.adapter.window is not None:  # each sequence's window, over its own rows' positions
-            step.positions = []
-            for r, chunk in seqs:
-                kv = r.kv
-                assert kv is not None
-                n, c = kv.length, len(chunk)
-                kv.pos[n : n + c] = torch.arange(r.next_pos, r.next_pos + c, device=kv.pos.device)
-                step.positions.append(Positions.of(kv.pos[n : n + c], kv.pos[: n + c]))
-        like = kvs[0].k[0, None, :, :0]  # type: ignore[union-attr]  # (1, H, 0, D)
-        longest = max(n + c for n, c in zip(step.lengths, step.counts))
-        n_layers = kvs[0].k.shape[0]  # type: ignore[union-attr]
-        cache = Cache(layers=[_RaggedLayer(step, i, longest, like) for i in range(n_layers)])
-        ids = torch.tensor([t for _, chunk in seqs for t in chunk], dtype=torch.long, device=dev)  # (N,)
-        pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
-                           dtype=torch.long, device=dev)
-        ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
-        with ragged(step), generated_rows(len(self._live)):  # the generated tokens lead: the decode weights, if any
-            logits = self.core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
-        if step.calls == 0:
-            raise UnsupportedModelError(f"{type(self.core.model).__name__} does not run its attention through "
-                                        "pcache_sdpa: it cannot decode in a batch")
+        logits = ragged_forward(self.core, seqs, len(self._live))  # (B, vocab)
         B = len(seqs)
         decoding = len(self._live)
         self.counts["steps"] += 1
@@ -408,14 +384,34 @@ class Scheduler:
     def _begin(self, req: Request, logits: torch.Tensor) -> None:
         """The first token, from the prefill's logits; then it decodes with the others."""
         assert req.t0 is not None
-        req.seq = self.core.decoder.start(req.params, logits.shape[-1], req.t0)
-        self._emit(req, logits)
-        if not req.seq.done:
+        try:
+            req.seq = self.core.decoder.start(req.params, logits.shape[-1], req.t0)
+        except Exception as e:  # noqa: BLE001 - its own parameters (a grammar that will not compile)
+            self._fail(req, e)
+            return
+        if self._emit(req, logits) and not req.seq.done:
             self._live.append(req)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+    def _fail(self, req: Request, err: BaseException) -> None:
+        """End ``req`` alone with ``err`` (its grammar, its sampling, a callback of its own): its
+        rows are freed and the other requests of the batch go on as if it had never joined."""
+        log.warning("a request in the batch failed alone: %s: %s", type(err).__name__, str(err)[:200])
+        for group in (self._live, self._filling):
+            if req in group:
+                group.remove(req)
+        req.kv, req.rows_view = None, None
+        self.counts["failed"] += 1
+        req.out.put(err)
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> bool:
+        """Take ``req``'s next token from ``logits`` and send what it adds; False if that failed
+        (the request has then ended alone, with its error)."""
         assert req.seq is not None
-        delta = req.seq.push(logits)
+        try:
+            delta = req.seq.push(logits)
+        except Exception as e:  # noqa: BLE001 - this request's fault, not the batch's
+            self._fail(req, e)
+            return False
         if delta:
             req.out.put(delta)
         if req.seq.done:  # out of the batch before its output is seen, so stats() never lag it
@@ -424,6 +420,39 @@ class Scheduler:
             req.kv, req.rows_view = None, None
             self.counts["finished"] += 1
             req.out.put(req.seq.output(*req.counts, decode_batch=req.batch))
+        return True
+
+
+def ragged_forward(core: EngineCore, seqs: list, decoding: int) -> torch.Tensor:
+    """One forward of the model over ``seqs`` (``(request, token ids)`` each: the first ``decoding``
+    a generated token, the rest a chunk of a prompt), each over its own rows (:class:`RaggedStep`);
+    the logits (B, vocab) at each sequence's last token."""
+    dev = core.adapter.device
+    kvs = [r.kv for r, _ in seqs]
+    step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
+                      [len(ids) for _, ids in seqs], [r.span for r, _ in seqs])
+    if core.adapter.window is not None:  # each sequence's window, over its own rows' positions
+        step.positions = []
+        for r, chunk in seqs:
+            kv = r.kv
+            assert kv is not None
+            n, c = kv.length, len(chunk)
+            kv.pos[n : n + c] = torch.arange(r.next_pos, r.next_pos + c, device=kv.pos.device)
+            step.positions.append(Positions.of(kv.pos[n : n + c], kv.pos[: n + c]))
+    like = kvs[0].k[0, None, :, :0]  # type: ignore[union-attr]  # (1, H, 0, D)
+    longest = max(n + c for n, c in zip(step.lengths, step.counts))
+    n_layers = kvs[0].k.shape[0]  # type: ignore[union-attr]
+    cache = Cache(layers=[_RaggedLayer(step, i, longest, like) for i in range(n_layers)])
+    ids = torch.tensor([t for _, chunk in seqs for t in chunk], dtype=torch.long, device=dev)  # (N,)
+    pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
+                       dtype=torch.long, device=dev)
+    ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
+    with ragged(step), generated_rows(decoding):  # the generated tokens lead: the decode weights, if any
+        logits = core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
+    if step.calls == 0:
+        raise UnsupportedModelError(f"{type(core.model).__name__} does not run its attention through "
+                                    "pcache_sdpa: it cannot decode in a batch")
+    return logits
 
 
 def stream_request(sched: Scheduler, make: Callable[[], Request]) -> Iterator[str | GenerationOutput]:

@@ -92,12 +92,12 @@ def bench_ttft(pc, lengths=(512, 1024, 2048, 4096, 8192), repeats: int = 3, ques
             floor_fwd.append(r.forward_s)
 
         floor_fwd: list[float] = []
-        full = median(lambda: pc.full_prefill(res.input_ids), repeats)
+        full = median(lambda: pc.core.full_prefill(res.input_ids), repeats)
         t_cached = median(cached, repeats)
         pc.prefill(prompt)
         median(floor, repeats)
         t_floor = statistics.median(floor_fwd)
-        base = pc.full_prefill(res.input_ids)
+        base = pc.core.full_prefill(res.input_ids)
         row = {
             "tokens": int(res.input_ids.shape[0]),
             "cached_tokens": res.cached_tokens,

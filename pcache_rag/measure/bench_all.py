@@ -149,7 +149,7 @@ def _modules(pc, ids: list[int], chunk: int) -> list:
     out, pos = [], 0
     while pos < len(ids):
         piece = ids[pos : pos + chunk]
-        out.append((f"m{len(out)}", pc.encode(piece, list(range(pos, pos + len(piece))))))
+        out.append((f"m{len(out)}", pc.encoder.encode(piece, list(range(pos, pos + len(piece))))))
         pos += len(piece)
     return out
 
@@ -196,7 +196,7 @@ def fig_length(model, tok, sz: Sizes, device, kv_url, workdir: Path, log) -> tup
         full_ids = torch.tensor(ids + q)
         pc0 = engines["memory"]
         full_rep = sz.repeats if n <= 2048 else 1
-        full = median(lambda: (pc0.full_prefill(full_ids), _sync(device)), full_rep)
+        full = median(lambda: (pc0.core.full_prefill(full_ids), _sync(device)), full_rep)
         times = {}
         floor = None
         # Encode once (what ingest pays), store a copy in every engine's tiers in its dtype.
@@ -312,7 +312,7 @@ def fig_recompute(model, tok, sz: Sizes, device, log) -> Figure:
     per = (sz.recompute_tokens - 64 - QUESTION_TOKENS) // n_mod
     ctx = _context_ids(tok, 64 + n_mod * per)
     parts = _modules(pc, ctx[:64], 64) + [
-        (f"d{i}", pc.encode(ctx[64 + i * per : 64 + (i + 1) * per], list(range(64 + i * per, 64 + (i + 1) * per))))
+        (f"d{i}", pc.encoder.encode(ctx[64 + i * per : 64 + (i + 1) * per], list(range(64 + i * per, 64 + (i + 1) * per))))
         for i in range(n_mod)]
     q = _context_ids(tok, QUESTION_TOKENS, seed=7)
     full_ids = ctx + q
@@ -322,7 +322,7 @@ def fig_recompute(model, tok, sz: Sizes, device, log) -> Figure:
                   "speed-up vs full prefill (split)", "speed-up vs full prefill (dense)"])
 
     def full():
-        pc.full_prefill(torch.tensor(full_ids))
+        pc.core.full_prefill(torch.tensor(full_ids))
         _sync(device)
 
     base = median(full, sz.repeats)
@@ -359,14 +359,14 @@ def fig_concurrency(model, tok, sz: Sizes, device, log) -> Figure:
 
     pc = PromptCache(model, tok, store_dtype=torch.float16)
     pre = _context_ids(tok, 64, seed=99)
-    pool = [pc.encode(_context_ids(tok, sz.load_doc_tokens, seed=200 + i), list(range(64, 64 + sz.load_doc_tokens)))
+    pool = [pc.encoder.encode(_context_ids(tok, sz.load_doc_tokens, seed=200 + i), list(range(64, 64 + sz.load_doc_tokens)))
             for i in range(8)]
-    pre_kv = pc.encode(pre, list(range(64)))
+    pre_kv = pc.encoder.encode(pre, list(range(64)))
     n = max(sz.concurrency)
     reqs = []
     for i in range(n):  # k=2 documents per request, placed after the preamble, and a question of its own
         a, b = pool[i % 8], pool[(i * 3 + 1) % 8]
-        parts = [("pre", pre_kv), ("d0", pc.place(a, 64)), ("d1", pc.place(b, 64 + sz.load_doc_tokens))]
+        parts = [("pre", pre_kv), ("d0", pc.encoder.place(a, 64)), ("d1", pc.encoder.place(b, 64 + sz.load_doc_tokens))]
         reqs.append(Parts(parts, _context_ids(tok, 20, seed=1000 + i)))
     fig = Figure("concurrency", f"Throughput and TTFT against concurrent requests (k=2 documents of "
                  f"{sz.load_doc_tokens} tokens, {sz.load_new_tokens} new tokens each)",
@@ -447,7 +447,7 @@ def fig_size(tok, sz: Sizes, device, log) -> Figure:
             parts = _modules(pc, ids, 512)
             full_ids = torch.tensor(ids + q)
             rep = sz.repeats if n <= 2048 and params < 500 else 1
-            full = median(lambda: (pc.full_prefill(full_ids), _sync(device)), rep)
+            full = median(lambda: (pc.core.full_prefill(full_ids), _sync(device)), rep)
 
             def run():
                 pc.workspace.invalidate()
@@ -614,7 +614,7 @@ def fig_memory(model, tok, ingest: dict, log) -> Figure:
     shape = PromptCache(model, tok).adapter.kv_shape
     for label, dt, elt in (("model dtype (fp32)", None, 4), ("fp16", torch.float16, 2), ("int8", "int8", 1)):
         pc = PromptCache(model, tok, store_dtype=dt)
-        kv = pc.encode(ids, list(range(len(ids)))).to(dtype=pc.store_dtype)
+        kv = pc.encoder.encode(ids, list(range(len(ids)))).to(dtype=pc.store_dtype)
         measured = kv.nbytes() / kv.length
         formula = shape.bytes_per_token(elt)
         if label == "int8":  # + fp16 scales: keys per channel (over the chunk), values per token

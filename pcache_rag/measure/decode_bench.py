@@ -227,7 +227,7 @@ def _together(pc, tok, doc_ids: list[int], counts, new_tokens: int, repeats: int
 
     if not counts:
         return []
-    kv = pc.encode(doc_ids, list(range(len(doc_ids))))
+    kv = pc.encoder.encode(doc_ids, list(range(len(doc_ids))))
     qs = [tok(f"\nQuestion {i + 1}: {QUESTION}\nAnswer:", add_special_tokens=False)["input_ids"]
           for i in range(max(counts))]
     alone = [pc.generate(Parts([("doc", kv)], q), max_new_tokens=new_tokens).token_ids for q in qs]

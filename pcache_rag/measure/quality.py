@@ -439,9 +439,9 @@ class _Synthetic:
         pc = self.pcs["preamble"]
         self.pre_ids = preamble_ids(pc, SYSTEM)  # the same prompt pieces as CachedRAG
         P = len(self.pre_ids)
-        self.pre_kv = pc.encode(self.pre_ids, list(range(P)))
+        self.pre_kv = pc.encoder.encode(self.pre_ids, list(range(P)))
         self.own_ids = preamble_ids(pc, OWN_SYSTEM)
-        self.own_kv = pc.encode(self.own_ids, list(range(len(self.own_ids))))
+        self.own_kv = pc.encoder.encode(self.own_ids, list(range(len(self.own_ids))))
         self.cache: dict[tuple[str, str], object] = {}
         self.asms: dict[str, object] = {}  # conditioned encodings, through the RAG path's own Assembler
         self.encode_cost: dict[str, list[float]] = {}  # encoding -> [tokens, seconds] of documents encoded
@@ -488,7 +488,7 @@ class _Synthetic:
             ids = self.doc_ids(doc)
             P = len(self.pre_ids)
             ctx = self.pre_kv if enc == "preamble" else None
-            kv = pc.encode(ids, list(range(P, P + len(ids))), context=ctx).to(dtype=pc.store_dtype)
+            kv = pc.encoder.encode(ids, list(range(P, P + len(ids))), context=ctx).to(dtype=pc.store_dtype)
             self.cache[key] = kv
             self._count(enc, kv.length, t0)
         return kv
@@ -516,7 +516,7 @@ class _Synthetic:
         parts = [("preamble", self.own_kv if own else self.pre_kv)]
         pos = len(self.own_ids if own else self.pre_ids)
         for j, d in enumerate(q.docs):
-            kv = pc.place(self._doc_kv(enc, d), pos)
+            kv = pc.encoder.place(self._doc_kv(enc, d), pos)
             parts.append((f"d{j}", kv))
             pos += kv.length
         recompute, cal = _cached_request_policy(mode)
@@ -691,12 +691,12 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, tok, plant
             continue
         if mode == REORDERED:  # the retrieved chunks in the opposite order
             ids = list(rag.preamble_ids) + [t for h in sorted(hs, key=lambda h: -h.score)
-                                             for t in rag.chunk_ids(h.text, h.source)]
+                                             for t in rag.chunks.ids(h.text, h.source)]
             reqs.append((Parts([], ids + rag.question_ids(q.question)), None))
             fetch.append(0.0)
             continue
         t0 = time.perf_counter()
-        parts = rag.parts(hs)
+        parts = rag.chunks.parts(hs)
         fetch.append(time.perf_counter() - t0)
         recompute, cal = _cached_request_policy(mode)
         if recompute in ORACLE_MODES:
@@ -758,7 +758,7 @@ def retrieval_recall(model_path=None, n: int = 100, doc_tokens: int = 400, ks=(1
         rag = CachedRAG(index, pc=pc, k=max(ks), chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM)
         rag.ingest([corpus], progress=False, encode="lazy")
         for mode in ("dense", "hybrid"):
-            rag.retrieval = mode
+            rag.retriever.mode = mode
             t0 = time.perf_counter()
             found = {k: [] for k in ks}
             for i, q in enumerate(qs):

@@ -81,10 +81,13 @@ def pcache_sdpa(
     softcap: float | None = kwargs.get("softcap") or None
     if window is not None or softcap is not None:
         pos = getattr(_positioning, "spec", None)
-        cut = window is not None and (pos.cuts(window) if pos is not None else kv > window)
-        if cut and pos is None:
-            raise ValueError(f"{NAME}: a sliding-window layer ({window}) over {kv} keys needs the keys' positions "
-                             "(run the forward through the model's adapter)")
+        if window is not None and pos is None and kv > window and attention_mask is None:
+            # a stock forward of the caller's model, no engine in the call and no mask: one sequence
+            # at contiguous positions, its queries the last q of its keys (transformers' own layout)
+            pos = Positions.of(torch.arange(kv - q, kv, device=query.device), torch.arange(kv, device=query.device))
+        # the engine's forwards give the keys' positions; a stock forward with a mask (the window already
+        # in it) takes the masked path below
+        cut = window is not None and pos is not None and pos.cuts(window)
         if cut or softcap:
             if getattr(_recomputing, "spec", None) is not None or getattr(_calibrating, "span", None) is not None:
                 raise ValueError(f"{NAME}: recomputed rows and calibrated attention take the dense mask on "

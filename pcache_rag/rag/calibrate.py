@@ -142,9 +142,9 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
         full_ids = rag.full_prompt_ids(question, handles)
         forced = pc.generate(Parts([], full_ids), max_new_tokens=FORCED).token_ids  # full prefill's own answer
         # one forward gives both references: after the question, and after the forced tokens
-        refs = pc.full_prefill(torch.tensor(full_ids + forced), last=len(forced) + 1)
+        refs = pc.core.full_prefill(torch.tensor(full_ids + forced), last=len(forced) + 1)
         refs = [refs[0], refs[-1]]
-        parts = rag.parts(handles)
+        parts = rag.chunks.parts(handles)
         for c in cands:
             cal = None if c == "none" else c
             for new, want in ((q_ids, refs[0]), (q_ids + forced, refs[1])):
@@ -208,14 +208,14 @@ def calibrate_index(rag, n: int = 24, k: int | None = None, progress: bool = Tru
                     grid=None) -> CalibrationReport:
     """:func:`calibrate` on ``rag``'s index; with ``save`` the choice goes into its manifest
     (under the ingest lock), where every process serving the index sees it."""
-    rag.refresh()
+    rag.upkeep.refresh()
     rep = calibrate(rag, n=n, k=k, progress=progress, grid=DEFAULT_GRID if grid is None else grid)
     if save:
         lock = rag.folder.lock()
         try:
-            rag.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
+            rag.live.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
             rag.manifest["calibration"] = rep.manifest_entry()
-            rag.commit()
+            rag.upkeep.commit()
         finally:
             lock.release()
     return rep

@@ -285,7 +285,7 @@ def index_prompts(rag, n: int, k: int | None = None, seed: int = 0) -> list[Prom
 
     out = []
     for handles, question, answer in sample_prompts(rag, n, rag.k if k is None else k, seed, cloze=True):
-        docs = [rag.chunk_ids(h.text, h.source) for h in sorted(handles, key=lambda h: h.score)]
+        docs = [rag.chunks.ids(h.text, h.source) for h in sorted(handles, key=lambda h: h.score)]
         out.append(Prompt(docs, rag.question_ids(question), rag.asm.safe.text(answer) if answer else []))
     return out
 
@@ -297,7 +297,7 @@ def learn_index(rag, train: int = 48, val: int = 16, steps: int = 96, k: int | N
     the neutral passage, move the index to it (:func:`use_prefix`)."""
     import hashlib
 
-    rag.refresh()
+    rag.upkeep.refresh()
     check_trainable(rag.pc)
     prompts = index_prompts(rag, train + val, k, seed)
     if len(prompts) < 2:
@@ -321,7 +321,7 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
 
     lock = rag.folder.lock()
     try:
-        rag.refresh(force=True)
+        rag.upkeep.refresh(force=True)
         prefix.save(rag.folder.prefix_path(prefix.spec))
         asm = index_assembler(rag.pc, rag.folder, rag.asm.system_prompt, prefix.spec)
         chunks = rag.index.chunks()
@@ -335,20 +335,20 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
         for cid, m in it:
             if cid not in texts:
                 continue
-            tok = rag.chunk_ids(texts[cid], m["source"])
+            tok = rag.chunks.ids(texts[cid], m["source"])
             key = asm.key(tok)
             if not m.get("lazy") and not rag.chunks.contains(key):
                 asm.encode_ids(tok, key)
                 encoded += 1
             ids.append(cid)
             metas.append({**m, "kv_key": key})
-        rag.asm = asm
+        rag.chunks.asm = asm
         rag.index.update_metadata(ids, metas)
-        rag.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
+        rag.live.manifest = dict(rag.folder.manifest(quiet=True) or rag.manifest)
         if rag.manifest.pop("calibration", None):
             log.warning("the index's calibrated attention was chosen for its old states and is dropped: "
                         "run `pcache-rag calibrate` again to choose it for the new ones")
-        rag.commit()
+        rag.upkeep.commit()
     finally:
         lock.release()
     return encoded

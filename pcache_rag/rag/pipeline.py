@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -37,7 +38,6 @@ from typing import Literal
 from ..conditioning import LearnedPrefix
 from ..docmodules import DEFAULT_SYSTEM
 from ..engine import ContextOverflowError, Generation, Parts, PromptCache
-from ..kv import ModuleKV
 from ..models.attention import Calibration
 from ..recompute import Recompute
 from .chunks import ChunkStates, index_assembler
@@ -49,7 +49,6 @@ from .ingest import IngestTooLargeError
 from .live import LiveIndex
 from .maintenance import Upkeep
 from .states import bytes_per_token
-from .lexical import check_retrieval
 from .prompt import check_fits, question_ids, user_turn
 from .retrieval import Retriever
 from .types import IngestReport, ModuleHandle, RAGAnswer, VerifyReport
@@ -120,10 +119,6 @@ class CachedRAG:
         """The :class:`~pcache_rag.docmodules.Assembler` the index's chunks are encoded under."""
         return self.chunks.asm
 
-    @asm.setter
-    def asm(self, asm) -> None:
-        self.chunks.asm = asm
-
     @property
     def preamble_ids(self) -> list[int]:
         return self.chunks.preamble_ids
@@ -133,27 +128,12 @@ class CachedRAG:
         """The index's manifest as this process last read or wrote it."""
         return self.live.manifest
 
-    @manifest.setter
-    def manifest(self, m: dict) -> None:
-        self.live.manifest = m
-
     @property
     def retrieval(self) -> str:
         """``"hybrid"`` (BM25 fused with MiniLM) or ``"dense"`` (MiniLM alone)."""
         return self.retriever.mode
 
-    @retrieval.setter
-    def retrieval(self, mode: str) -> None:
-        self.retriever.mode = check_retrieval(mode)
-
     # ------------------------------------------------------------------ the index directory
-
-    def refresh(self, force: bool = False) -> bool:
-        """See every ingest committed since this process last looked, by any process: every commit
-        bumps the manifest's ``generation``, and when it moved chroma is opened again (its vector
-        index would name chunks that are gone). One small file read per call; returns True when it
-        reopened (:meth:`Upkeep.refresh`)."""
-        return self.upkeep.refresh(force)
 
     @property
     def generation(self) -> int:
@@ -169,15 +149,9 @@ class CachedRAG:
         """Refuse a ``k`` x ``chunk_tokens`` that cannot fit the model's context with a question."""
         check_fits(len(self.preamble_ids), k, self.chunk_tokens, self.asm.max_positions)
 
-    # ------------------------------------------------------------------ chunks
-
     chunk_text = staticmethod(ChunkStates.text)
 
-    def chunk_ids(self, text: str, source: str) -> list[int]:
-        """A chunk's token ids (:meth:`ChunkStates.ids`)."""
-        return self.chunks.ids(text, source)
-
-    # ------------------------------------------------------------------ writes (:class:`Upkeep`)
+    # ------------------------------------------------------------------ writes: the rest is :attr:`upkeep`'s
 
     def ingest(self, paths: Sequence[str | Path], progress: bool = True, encode: EncodeMode = "eager",
                prune: bool = False,
@@ -188,40 +162,20 @@ class CachedRAG:
         ``on_progress``: :meth:`Upkeep.ingest`."""
         return self.upkeep.ingest(paths, progress, encode, prune, repair, on_progress)
 
-    @property
-    def upload_dir(self) -> Path:
-        """Where the web app keeps uploaded files (``<index>/uploads``)."""
-        return self.folder.upload_dir
-
-    def pending_uploads(self, folder: str | Path | None = None) -> list[Path]:
-        """Uploaded files (in ``folder``, default :attr:`upload_dir`) that no chunk comes from:
-        left by an ingest that was killed. Files an ingest skipped are moved to
-        ``.skipped/`` there, so they are not pending forever."""
-        return self.upkeep.pending_uploads(Path(folder) if folder is not None else None)
-
-    def state_stats(self) -> dict:
-        """How many chunks have states: ``chunks`` (and ``documents``) in the index, ``lazy``
-        indexed without states, ``hot`` lazy ones whose states were made on first use, ``cold`` the rest."""
-        return self.upkeep.state_stats()
-
-    def prune(self) -> int:
-        """Remove every indexed source whose file no longer exists (a renamed or deleted folder);
-        returns how many were removed."""
-        return self.upkeep.prune()
-
     def verify(self, store: bool = True) -> VerifyReport:
         """Check the index against the files and the store (see :class:`VerifyReport`)."""
         return self.upkeep.verify(store)
 
-    def repair(self) -> list[str]:
-        """Fix what :meth:`verify` finds, except sources that are gone (see :meth:`prune` and
-        :func:`~pcache_rag.rag.maintenance.repair_index`). Returns what was fixed."""
-        return self.upkeep.repair()
-
-    def commit(self) -> None:
-        """Write the manifest with the next ``generation``: every process serving this index sees
-        the change at its next question. Called under the ingest lock."""
-        self.upkeep.commit()
+    def __getattr__(self, name: str):
+        """The index-maintenance methods that moved to :attr:`upkeep` (and :attr:`chunks`) after 0.1:
+        still reached here for one release, with a ``DeprecationWarning`` naming the new home."""
+        home = _MOVED.get(name)
+        if home is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"CachedRAG.{name} moved: use rag.{home} (removed in the next release)", DeprecationWarning,
+                      stacklevel=2)
+        owner, attr = home.split(".")
+        return getattr(getattr(self, owner), attr)
 
     # ------------------------------------------------------------------ calibration
 
@@ -244,12 +198,6 @@ class CachedRAG:
         """The recompute policy answers use (None: the engine's default)."""
         return self.folder.recompute(self._recompute_arg, self.calibration[0])
 
-    def _prompt(self, parts: list, q_ids: list[int], gen: dict) -> tuple[Parts, dict]:
-        """The answer's prompt (calibrated as the index says, unless the call sets it) and the rest of
-        ``gen``, with this index's recompute policy."""
-        gen = answer_settings(gen, self.recompute, self.calibration[0])
-        return Parts(parts, q_ids, "preamble", gen.pop("calibration")), gen
-
     # ------------------------------------------------------------------ retrieve and answer
 
     def retrieve(self, question: str, k: int | None = None, prefetch: bool = True,
@@ -259,17 +207,17 @@ class CachedRAG:
         in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it."""
         k = self.k if k is None else _check_k(k)
         _check_question(question)
-        self.refresh()
+        self.upkeep.refresh()
         hits = self.retriever.hits(question, k, embedding)
         if self.retriever.stale(hits):  # chunks that vanished since chroma's vector index was loaded: look again
-            self.refresh(force=True)
+            self.upkeep.refresh(force=True)
             hits = self.retriever.hits(question, k, embedding)
         return self.retriever.handles(hits, prefetch, notes)
 
     def fit_question(self, question: str, handles: list[ModuleHandle], gen: dict) -> list[int]:
         """The question's ids, or :class:`ContextOverflowError` if the prompt cannot fit."""
         q = self.question_ids(question)
-        ctx = len(self.preamble_ids) + sum(h.n_tokens or len(self.chunk_ids(h.text, h.source)) for h in handles)
+        ctx = len(self.preamble_ids) + sum(h.n_tokens or len(self.chunks.ids(h.text, h.source)) for h in handles)
         need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
         if need > self.asm.max_positions:
             raise ContextOverflowError(
@@ -283,26 +231,17 @@ class CachedRAG:
         """Make every indexed chunk a known document of the engine, so prompts that paste chunks
         in without marks read them from the cache (:mod:`pcache_rag.discovery`). Once per
         index version; returns how many texts were added (:meth:`Retriever.know_indexed`)."""
-        self.refresh()
+        self.upkeep.refresh()
         return self.retriever.know_indexed()
 
     def question_ids(self, question: str) -> list[int]:
         return question_ids(self.pc, question)
 
-    def parts(self, handles: list[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
-        """The prompt's cached parts for ``handles`` (:meth:`ChunkStates.parts`)."""
-        return self.chunks.parts(handles)
-
     def answer(self, question: str, k: int | None = None, handles: list[ModuleHandle] | None = None,
                **gen) -> RAGAnswer:
         """Retrieve (unless ``handles`` are given), assemble cached states, generate."""
         t0 = time.perf_counter()
-        _check_question(question)
-        if handles is None:
-            handles = self.retrieve(question, k)
-        t_ret = time.perf_counter() - t0
-        q_ids = self.fit_question(question, handles, gen)
-        prompt, gen = self._prompt(self.parts(handles), q_ids, gen)  # fetches states, encoding lazy ones on first use
+        handles, prompt, gen, t_ret = self._ready(question, k, handles, gen)
         t_pre = time.perf_counter() - t0
         out = self.pc.generate(prompt, **gen)
         return RAGAnswer(out.text, handles, out, t_ret, t_pre + out.ttft_s)
@@ -311,12 +250,22 @@ class CachedRAG:
                **gen) -> Generation:
         """Text deltas of the answer; the returned :class:`Generation` holds its output (tokens,
         cached and computed counts, TTFT) once exhausted."""
+        _, prompt, gen, _ = self._ready(question, k, handles, gen)
+        return self.pc.stream(prompt, **gen)
+
+    def _ready(self, question: str, k: int | None, handles: list[ModuleHandle] | None,
+               gen: dict) -> tuple[list[ModuleHandle], Parts, dict, float]:
+        """The handles (retrieved unless given), the answer's prompt (its states fetched, lazy ones
+        encoded on first use; calibrated as the index says unless ``gen`` sets it), the rest of
+        ``gen`` with this index's recompute policy, and the seconds retrieval took."""
+        t0 = time.perf_counter()
         _check_question(question)
         if handles is None:
             handles = self.retrieve(question, k)
+        t_ret = time.perf_counter() - t0
         q_ids = self.fit_question(question, handles, gen)
-        prompt, gen = self._prompt(self.parts(handles), q_ids, gen)
-        return self.pc.stream(prompt, **gen)
+        gen = answer_settings(gen, self.recompute, self.calibration[0])
+        return handles, Parts(self.chunks.parts(handles), q_ids, "preamble", gen.pop("calibration")), gen, t_ret
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],
                      notes: list[str] | None = None, **gen):
@@ -371,6 +320,12 @@ class CachedRAG:
 
     def close(self) -> None:
         self.chunks.store.close()
+
+
+#: what moved from CachedRAG to its parts after 0.1 (:meth:`CachedRAG.__getattr__` warns and forwards)
+_MOVED = {"refresh": "upkeep.refresh", "pending_uploads": "upkeep.pending_uploads", "state_stats": "upkeep.state_stats",
+          "prune": "upkeep.prune", "repair": "upkeep.repair", "commit": "upkeep.commit", "chunk_ids": "chunks.ids",
+          "parts": "chunks.parts", "upload_dir": "folder.upload_dir"}
 
 
 def _check_k(k) -> int:

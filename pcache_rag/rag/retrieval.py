@@ -53,9 +53,8 @@ class Retriever:
         handles = [ModuleHandle.from_hit(*hit) for hit in hits]
         # a stock chain may paste these texts into any message, unmarked: the engine finds them there
         self.chunks.asm.known_texts.add(self.chunks.text(h) for h in handles)
-        fn = getattr(self.chunks.store, "prefetch", None)
-        if prefetch and fn is not None and handles:
-            fn([h.kv_key for h in handles])
+        if prefetch and handles:
+            self.chunks.store.prefetch([h.kv_key for h in handles])
         return handles
 
     def know_indexed(self) -> int:

@@ -1,7 +1,7 @@
 """The store as RAG sees it: what persists, the budget's room, and releasing states no chunk uses.
 
-The store's persistent tier is its disk tier when it has one (a tiered store); these helpers
-are the one place RAG looks for it.
+The store's persistent tier (:meth:`~pcache_rag.store.KVStore.persistent_tier`: the disk tier of
+a tiered store) is what persists; these helpers are the one place RAG asks for it.
 """
 
 from __future__ import annotations
@@ -13,28 +13,25 @@ from ..store import KVStore
 
 def persisted(store: KVStore, key: str) -> bool:
     """Whether ``key``'s states are in the store's persistent tier (what a new process finds)."""
-    disk = getattr(store, "disk", None)
+    disk = store.persistent_tier()
     return disk.contains(key) if disk is not None else store.contains(key)
 
 
 def budget(store: KVStore) -> int | None:
     """The persistent tier's budget in bytes (None: no budget)."""
-    disk = getattr(store, "disk", None)
-    return int(disk.size_limit) if disk is not None else None
+    return store.budget_bytes()
 
 
 def budget_room(store: KVStore) -> int | None:
-    """Bytes the disk tier can still take within its budget (None: no budget)."""
-    disk = getattr(store, "disk", None)
-    if disk is None:
-        return None
-    return int(disk.size_limit) - int(disk.stats().bytes)
+    """Bytes the persistent tier can still take within its budget (None: no budget)."""
+    disk = store.persistent_tier()
+    limit = disk.budget_bytes() if disk is not None else None
+    return None if disk is None or limit is None else limit - int(disk.stats().bytes)
 
 
 def check_store(store: KVStore, repair: bool = False) -> list[str]:
     """The persistent tier's own consistency check (rows against files); fixes with ``repair``."""
-    disk = getattr(store, "disk", None)
-    return disk.check(repair=repair) if disk is not None else []
+    return store.check(repair=repair)
 
 
 def bytes_per_token(pc) -> int:

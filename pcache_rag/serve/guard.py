@@ -9,9 +9,10 @@
    OPTIONS) whose ``Origin`` is not this server's own, or whose ``Sec-Fetch-Site`` says it
    came from another site, is refused (403). Browsers send both, even on ``no-cors``
    requests; clients that are not browsers send neither and are not affected.
-3. **API key** (optional): with ``api_key`` set, every ``/v1`` and ``/api`` request needs
-   ``Authorization: Bearer <key>``, as OpenAI clients send it (401 otherwise). The page and
-   its assets stay open, and the page asks for the key.
+3. **API key** (optional): with ``api_key`` set, every ``/v1`` and ``/api`` request, and the
+   API's own description (``/docs``, ``/redoc``, ``/openapi.json``), needs ``Authorization:
+   Bearer <key>``, as OpenAI clients send it (401 otherwise). The page and its assets stay
+   open, and the page asks for the key.
 4. **Size before body**: a ``Content-Length`` over the limit is refused (413) before a byte
    of the body is read, and a body without one is counted as it streams and cut at the
    limit. Uploads (``POST /api/documents``) have their own, larger limit.
@@ -93,6 +94,10 @@ def _error(status: int, message: str, kind: str, code: str | None = None, header
     return start, {"type": "http.response.body", "body": body}
 
 
+#: paths that need the API key besides everything under /v1/ and /api/ (the API's description)
+KEYED_PATHS = ("/v1", "/api", "/openapi.json", "/docs", "/redoc")
+
+
 class Guard:
     """The checks above, in front of ``app``. ``allowed_hosts``: names accepted in ``Host``
     (``"*"``: any); ``api_key``: the bearer token, or None; ``json_limit`` and
@@ -169,7 +174,7 @@ class Guard:
                 return _error(403, f"cross-origin request refused (Origin: {origin})", "permission_error",
                               "cross_origin")
         path = scope["path"]
-        if self.api_key and (path.startswith("/v1/") or path.startswith("/api/") or path in ("/v1", "/api")):
+        if self.api_key and (path.startswith(("/v1/", "/api/", "/docs", "/redoc")) or path in KEYED_PATHS):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):

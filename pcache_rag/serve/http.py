@@ -56,7 +56,7 @@ async def first_event(job: Job, request: Request | None = None):
     if ev is None:
         raise RequestError("the question was dropped", 500)
     if ev[0] == "error":
-        raise RequestError(ev[1]["message"], ev[1].get("status", 500), ev[1].get("retry_after"))
+        raise RequestError(ev[1]["message"], ev[1].get("status", 500), ev[1].get("retry_after"), code=ev[1].get("code"))
     return ev
 
 

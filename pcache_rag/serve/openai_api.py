@@ -272,7 +272,7 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
             elif kind == "done":
                 done = payload
             elif kind == "error":
-                raise RequestError(payload["message"], payload.get("status", 500))
+                raise RequestError(payload["message"], payload.get("status", 500), code=payload.get("code"))
         if done is None:
             raise RequestError("the answer was interrupted", 500)
         return {"id": cid, "object": obj, "created": created, "model": model,
@@ -301,7 +301,7 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
                     yield chunk(None, usage=_usage(payload))
             elif kind == "error":  # headers are sent: the error goes in the stream, as OpenAI does
                 yield {"data": json.dumps({"error": {"message": payload["message"], "type": "server_error",
-                                                     "param": None, "code": None}})}
+                                                     "param": None, "code": payload.get("code")}})}
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(stream(), ping=15)

@@ -42,7 +42,7 @@ class Uploads:
 
     def __init__(self, rag, upload_dir: str | Path | None = None) -> None:
         self.rag = rag
-        self.upload_dir = Path(upload_dir) if upload_dir else rag.upload_dir
+        self.upload_dir = Path(upload_dir) if upload_dir else rag.folder.upload_dir
         self.state = IngestState()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -57,7 +57,7 @@ class Uploads:
         for part in self.upload_dir.glob(".*.part") if self.upload_dir.is_dir() else ():
             part.unlink(missing_ok=True)
         try:
-            pending = self.rag.pending_uploads(self.upload_dir)
+            pending = self.rag.upkeep.pending_uploads(self.upload_dir)
         except Exception as e:  # noqa: BLE001 - a damaged index is reported by the status panel
             log.warning("cannot look for unindexed uploads: %s", e)
             return []
@@ -85,7 +85,7 @@ class Uploads:
 
         def run() -> None:
             try:
-                rep = self.rag.ingest(paths, progress=False, on_progress=progress)
+                rep = self.rag.upkeep.ingest(paths, progress=False, on_progress=progress)
                 st.report = {
                     "added": rep.added, "changed": rep.changed, "unchanged": rep.unchanged, "empty": rep.empty,
                     "chunks_encoded": rep.chunks_encoded, "chunks_reused": rep.chunks_reused,

@@ -8,10 +8,33 @@ from .remote import RemoteTier
 from .tiered import TieredStore
 
 
+def _disk_from_url(url: str) -> KVStore:
+    from urllib.parse import unquote, urlsplit
+
+    return DiskTier(unquote(urlsplit(url).path))
+
+
+#: URL scheme -> what builds its tier: the one place a tier is found by kind (a new tier adds its
+#: schemes here; nothing else names tier classes)
+TIER_SCHEMES = {"redis": RemoteTier, "rediss": RemoteTier, "unix": RemoteTier, "file": _disk_from_url}
+
+
+def open_tier(url: str) -> KVStore:
+    """The tier at ``url``: ``redis://host:6379/0``, ``rediss://`` (TLS) or ``unix://`` (a Redis or
+    Valkey server), or ``file:///path`` (a disk tier in that folder). Any other scheme is refused by name."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    make = TIER_SCHEMES.get(scheme)
+    if make is None:
+        raise ValueError(f"no KV tier serves {scheme + '://' if scheme else repr(url)}: the URL must start with one "
+                         f"of {', '.join(s + '://' for s in TIER_SCHEMES)}")
+    return make(url)
+
+
 def default_store(device="cpu", cache_dir=None, host_budget: int | None = None, disk_budget: int | None = None,
                   policy: str = "lru", kv_url: str | None = None) -> TieredStore:
     """A device tier (when ``device`` is CUDA), a host tier, a disk tier when ``cache_dir`` is
-    given, and a remote tier on the Redis/Valkey server at ``kv_url`` when given."""
+    given, and the tier at ``kv_url`` when given (:func:`open_tier`: a Redis/Valkey server, shared
+    by processes and machines)."""
     import torch
 
     tiers: list[KVStore] = []
@@ -21,9 +44,9 @@ def default_store(device="cpu", cache_dir=None, host_budget: int | None = None, 
     if cache_dir is not None:
         tiers.append(DiskTier(cache_dir, size_limit=disk_budget, policy=policy))
     if kv_url is not None:
-        tiers.append(RemoteTier(kv_url))
+        tiers.append(open_tier(kv_url))
     return TieredStore(tiers)
 
 
 __all__ = ["KVStore", "Policy", "LRUPolicy", "LFUPolicy", "TierStats", "MemoryTier", "DiskTier", "RemoteTier", "TieredStore",
-           "default_store", "model_fingerprint", "unit_key"]
+           "default_store", "open_tier", "TIER_SCHEMES", "model_fingerprint", "unit_key"]

@@ -2,7 +2,10 @@
 
 A store maps a string key (a fingerprint, see :mod:`pcache_rag.store.keys`) to
 a :class:`~pcache_rag.kv.ModuleKV`. Tiers differ in where the tensors live and
-how much they may hold; the tiered store composes them.
+how much they may hold; the tiered store composes them. What a tier can do beyond
+get and put is declared on the interface (``persistent``, ``shared``, ``prefetch``,
+``tier_stats``, ``budget_bytes``, ``check``), so nobody above probes for an
+attribute or asks a tier's class.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..kv import ModuleKV
@@ -30,9 +34,14 @@ class TierStats:
 
 
 class KVStore(ABC):
-    """contains / get / put / remove / close, plus a batched get."""
+    """contains / get / put / remove / close, plus a batched get, plus the capabilities below
+    (each with the answer of a tier that lacks it)."""
 
     name = "store"
+    #: its entries survive the process on this machine (a new process finds them): the disk tier
+    persistent = False
+    #: other processes and machines read and write it (a Redis server)
+    shared = False
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -56,6 +65,35 @@ class KVStore(ABC):
 
     @abstractmethod
     def stats(self) -> TierStats: ...
+
+    @property
+    def write_through(self) -> bool:
+        """A tiered store writes every ``put`` through to this tier (to persist, or to share)."""
+        return self.persistent or self.shared
+
+    def prefetch(self, keys: list[str]) -> Future | None:
+        """Start moving ``keys`` to the fastest tier; None where there is nowhere faster."""
+        return None
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Statistics per tier, by tier name."""
+        return {self.name: self.stats()}
+
+    def persistent_tier(self) -> KVStore | None:
+        """The tier whose entries outlive the process (None: nothing persists)."""
+        return self if self.persistent else None
+
+    def shared_tier(self) -> KVStore | None:
+        """The tier other processes and machines share (None: none)."""
+        return self if self.shared else None
+
+    def budget_bytes(self) -> int | None:
+        """The most bytes this store may hold (None: no budget)."""
+        return None
+
+    def check(self, repair: bool = False) -> list[str]:
+        """Problems of the store's own bookkeeping (fixed with ``repair``); none by default."""
+        return []
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)

@@ -58,6 +58,7 @@ class DiskTier(KVStore):
     """KV entries in ``directory`` (diskcache), within ``size_limit`` bytes."""
 
     name = "disk"
+    persistent = True
 
     def __init__(self, directory: str | Path, size_limit: int | None = None, policy: str = "lru"):
         self.directory = Path(directory).expanduser()
@@ -180,6 +181,9 @@ class DiskTier(KVStore):
 
     def keys(self) -> list[str]:
         return self._guard(lambda dc: list(dc.iterkeys()))
+
+    def budget_bytes(self) -> int:
+        return self.size_limit
 
     def check(self, repair: bool = False) -> list[str]:
         """Problems of the directory: index rows whose value file is missing, and value files

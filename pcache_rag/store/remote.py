@@ -49,6 +49,7 @@ class RemoteTier(KVStore):
     TLS, ``unix://`` for a socket). ``timeout`` bounds every call in seconds."""
 
     name = "remote"
+    shared = True
 
     def __init__(self, url: str, prefix: str = "pcache", timeout: float = 2.0, part_bytes: int = 32 << 20,
                  retry_s: float = 5.0):
@@ -95,7 +96,7 @@ class RemoteTier(KVStore):
                 self._warned.add(kind)
             if first:
                 log.warning("remote KV tier %s refused %s (%s: %s): %s; warned once for this kind of error",
-                            self._shown(), what, type(e).__name__, e,
+                            self._shown(), what, type(e).__name__, _reason(e),
                             "the write is skipped" if what == "put" else "read as a miss")
             return default
         except self._errors as e:
@@ -130,7 +131,14 @@ class RemoteTier(KVStore):
         return f"{self.prefix}:{key}"
 
     def contains(self, key: str) -> bool:
-        return bool(self._call("contains", lambda r: r.exists(self._k(key)), False))
+        """Whether ``key`` holds an entry :meth:`get` would read: its header is there and sound
+        (a key of another type, or a damaged header, is not an entry). One round trip."""
+        head = self._call("contains", lambda r: r.getrange(self._k(key), 0, 63), b"")
+        try:
+            _parse_head(head)
+        except ValueError:
+            return False
+        return True
 
     def get(self, key: str) -> ModuleKV | None:
         t0 = time.perf_counter()
@@ -141,7 +149,7 @@ class RemoteTier(KVStore):
         try:
             n, size = _parse_head(head)
         except ValueError:
-            return self._drop(key, f"unreadable header {head[:40]!r}")
+            return self._drop(key, f"unreadable header ({len(head)} bytes)")
         parts = self._call("get", lambda r: r.mget([f"{self._k(key)}:{i}" for i in range(n)]), None)
         if parts is None:
             self._stats.misses += 1
@@ -228,6 +236,15 @@ class RemoteTier(KVStore):
             self._r.close()
         except self._errors:  # pragma: no cover - closing a dead connection
             pass
+
+
+def _reason(e: BaseException) -> str:
+    """A Redis error's reason without the command it quotes: redis-py names a failed pipeline
+    command with its arguments, the stored bytes among them, which never go to the log."""
+    msg = str(e)
+    if "caused error:" in msg:
+        msg = msg.split("caused error:", 1)[1]
+    return msg.strip().splitlines()[0][:200] if msg.strip() else type(e).__name__
 
 
 def _parse_head(head: bytes) -> tuple[int, int]:

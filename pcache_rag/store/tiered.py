@@ -17,8 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..kv import ModuleKV
 from .base import KVStore, TierStats
-from .disk import DiskTier
-from .remote import RemoteTier
 
 
 class TieredStore(KVStore):
@@ -31,13 +29,29 @@ class TieredStore(KVStore):
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
 
-    @property
-    def disk(self) -> DiskTier | None:
-        return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+    def persistent_tier(self) -> KVStore | None:
+        return next((t for t in self.tiers if t.persistent), None)
+
+    def shared_tier(self) -> KVStore | None:
+        return next((t for t in self.tiers if t.shared), None)
 
     @property
-    def remote(self) -> RemoteTier | None:
-        return next((t for t in self.tiers if isinstance(t, RemoteTier)), None)
+    def disk(self):
+        """The persistent tier (:meth:`persistent_tier`), by its usual name."""
+        return self.persistent_tier()
+
+    @property
+    def remote(self):
+        """The shared tier (:meth:`shared_tier`), by its usual name."""
+        return self.shared_tier()
+
+    def budget_bytes(self) -> int | None:
+        """The persistent tier's budget: what the store can keep (None: no budget or nothing persists)."""
+        t = self.persistent_tier()
+        return t.budget_bytes() if t is not None else None
+
+    def check(self, repair: bool = False) -> list[str]:
+        return [p for t in self.tiers for p in t.check(repair)]
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -76,8 +90,8 @@ class TieredStore(KVStore):
     def put(self, key: str, kv: ModuleKV) -> list[tuple[str, ModuleKV]]:
         with self._lock:
             self._put_from(0, key, kv)
-            for t in (self.disk, self.remote):  # write-through: persistence, and sharing
-                if t is not None and t is not self.tiers[0] and not t.contains(key):
+            for t in self.tiers[1:]:  # write-through: persistence, and sharing
+                if t.write_through and not t.contains(key):
                     t.put(key, kv)
         return []
 
@@ -85,7 +99,7 @@ class TieredStore(KVStore):
         with self._lock:
             return any([t.remove(key) for t in self.tiers])
 
-    def prefetch(self, keys: list[str]) -> Future:
+    def prefetch(self, keys: list[str]) -> Future | None:
         """Promote ``keys`` to the fastest tier on a background thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pcache-prefetch")
