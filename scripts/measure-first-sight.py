@@ -13,6 +13,12 @@ never-seen documents, at ~1K and ~2K prompt tokens. For each of ``--prompts`` pr
 
 Medians over the prompts, each first-token time as a ratio of that prompt's own ``full``.
 
+``--connector`` also measures the way issue 59 did: LangChain's ``ChatPromptCache`` with its
+defaults (learning on, states on disk in a fresh ``cache_dir``) against one with
+``learn_documents=False`` (nothing reused but the prefix) on the same never-seen prompt, in
+the same process, then the learning one again on the repeat; times are the connector's own
+``ttft_s``.
+
     .venv/bin/python scripts/measure-first-sight.py [--prompts 5] [--json out.json]
 """
 
@@ -37,6 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--connector", action="store_true", help="also through LangChain's ChatPromptCache")
     a = ap.parse_args()
 
     from pcache_rag import Parts, PromptCache
@@ -64,8 +71,9 @@ def main() -> None:
         return [("user", RAG_PROMPT.format(question=QUESTION, context="\n\n".join(ds)))]
 
     def full(msgs) -> float:
-        ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in msgs], add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in msgs], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids  # a BatchEncoding in newer transformers
         return pc.generate(Parts([], list(ids)), max_new_tokens=1).ttft_s
 
     def cached(msgs, defer: bool):
@@ -90,9 +98,9 @@ def main() -> None:
             base2 = full(other)
             inline = cached(other, False)
             r["full"].append(base)
-            r["first (deferred)"].append(first.ttft_s / base)
-            r["repeat"].append(again.ttft_s / base)
-            r["first (inline)"].append(inline.ttft_s / base2)
+            r["first (deferred)"].append(first.output.ttft_s / base)
+            r["repeat"].append(again.output.ttft_s / base)
+            r["first (inline)"].append(inline.output.ttft_s / base2)
             r["prompt_tokens"].append(first.prompt_tokens)
             r["cached share, repeat"].append(again.cache_read / again.prompt_tokens)
         row = {"size": size, "prompts": a.prompts, "prompt_tokens": statistics.median(r["prompt_tokens"]),
@@ -105,8 +113,40 @@ def main() -> None:
               f"{row['first (deferred)']:.2f}x full; repeat {row['repeat']:.3f}x ({1 / row['repeat']:.1f}x faster, "
               f"{row['cached share, repeat']:.1%} of the prompt cached); first sight, inline "
               f"{row['first (inline)']:.2f}x (medians of {a.prompts})")
+    if a.connector:
+        rows += connector_rows(a.prompts, docs, messages)
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu": cpu_line(), "rows": rows}, indent=1))
+
+
+def connector_rows(n: int, docs, messages) -> list[dict]:
+    import tempfile
+
+    from langchain_pcache import ChatPromptCache
+
+    where = tempfile.mkdtemp(prefix="pcache-first-sight-")
+    learn = ChatPromptCache(max_tokens=1, cache_dir=where)
+    plain = ChatPromptCache(max_tokens=1, cache_dir=where, learn_documents=False)
+
+    def ttft(llm, msgs) -> float:
+        return llm.invoke([(("human" if r == "user" else r), c) for r, c in msgs]).response_metadata["ttft_s"]
+
+    ttft(plain, messages(docs(300)))  # warm-up: the engine, its prefix
+    rows = []
+    for size in (1000, 2000):
+        first, again = [], []
+        for _ in range(n):
+            m = messages(docs(size))
+            base = ttft(plain, m)  # learning off: the documents are computed, nothing of them reused
+            first.append(ttft(learn, m) / base)
+            again.append(ttft(learn, m) / base)
+        row = {"size": size, "prompts": n, "path": "ChatPromptCache", "first sight / learning off":
+               statistics.median(first), "repeat / learning off": statistics.median(again),
+               "raw": {"first": first, "repeat": again}}
+        rows.append(row)
+        print(f"ChatPromptCache, ~{size} tokens: first sight {row['first sight / learning off']:.2f}x the same "
+              f"prompt with learning off; repeat {row['repeat / learning off']:.3f}x (medians of {n})")
+    return rows
 
 
 if __name__ == "__main__":
