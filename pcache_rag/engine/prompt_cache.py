@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 from ..conditioning import conditioning_refusal
 from ..discovery import KNOWN_JOURNAL, KnownTexts
 from ..models.attention import Calibration
+from ..moved import moved
 from ..pml import SchemaLayout, chat_format_for
 from ..pml.layout import bos_ids
 from ..recompute import Recompute
@@ -314,15 +314,9 @@ class PromptCache:
             yield self
 
     def __getattr__(self, name: str):
-        """Methods that moved to the engine's parts after 0.1, still reached here for one release
-        with a ``DeprecationWarning`` naming the new home (:data:`MOVED`)."""
-        home = MOVED.get(name)
-        if home is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"PromptCache.{name} moved: use pc.{home} (removed in the next release)", DeprecationWarning,
-                      stacklevel=2)
-        owner, attr = home.split(".")
-        return getattr(getattr(self, owner), attr)
+        """Methods that moved to the engine's parts after 0.1 (:data:`MOVED`): still reached
+        here for one release, with a ``DeprecationWarning`` naming the new home."""
+        return moved(self, name, MOVED, "pc")
 
     def stats(self) -> dict:
         """Store statistics per tier (hits, misses, bytes, evictions, load time), schemas, what

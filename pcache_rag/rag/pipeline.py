@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -39,6 +38,7 @@ from ..conditioning import LearnedPrefix
 from ..docmodules import DEFAULT_SYSTEM
 from ..engine import ContextOverflowError, Generation, Parts, PromptCache
 from ..models.attention import Calibration
+from ..moved import moved
 from ..recompute import Recompute
 from .chunks import ChunkStates, index_assembler
 from .embed import MiniLMEmbedder
@@ -167,15 +167,9 @@ class CachedRAG:
         return self.upkeep.verify(store)
 
     def __getattr__(self, name: str):
-        """The index-maintenance methods that moved to :attr:`upkeep` (and :attr:`chunks`) after 0.1:
-        still reached here for one release, with a ``DeprecationWarning`` naming the new home."""
-        home = _MOVED.get(name)
-        if home is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"CachedRAG.{name} moved: use rag.{home} (removed in the next release)", DeprecationWarning,
-                      stacklevel=2)
-        owner, attr = home.split(".")
-        return getattr(getattr(self, owner), attr)
+        """The index-maintenance methods that moved to :attr:`upkeep` (and :attr:`chunks`) after
+        0.1 (:data:`_MOVED`): still reached here for one release, with a ``DeprecationWarning``."""
+        return moved(self, name, _MOVED, "rag")
 
     # ------------------------------------------------------------------ calibration
 
