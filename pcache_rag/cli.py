@@ -309,7 +309,8 @@ def cmd_serve(a) -> int:
     serve(rag, host=a.host, port=a.port, max_queue=a.queue, max_new_tokens=a.max_new_tokens,
           max_batch=a.max_batch, prefill_tokens=a.prefill_tokens, max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info",
           allowed_hosts=hosts,
-          api_key=api_key, max_connections=a.limit_concurrency, header_timeout=a.header_timeout)
+          api_key=api_key, max_connections=a.limit_concurrency, header_timeout=a.header_timeout,
+          shutdown_timeout=a.shutdown_timeout)
     rag.close()
     return 0
 
@@ -533,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections held at once (default: 1024, or 3/4 of the file descriptor limit)")
     v.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="S",
                    help="seconds a connection has to send its request headers")
+    v.add_argument("--shutdown-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds to wait for answers in flight before cancelling them")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     v.set_defaults(fn=cmd_serve)
 

@@ -609,6 +609,24 @@ def test_full_queue_gets_503_with_retry_after(served, max_batch):
 # ---------------------------------------------------------------------- the command
 
 
+def test_a_stop_does_not_wait_for_a_wedged_answer(served):
+    """A stop (what SIGTERM does to uvicorn) while an answer cannot finish (the engine is held):
+    the server waits ``shutdown_timeout`` for it, then cancels it and stops, instead of waiting
+    "for background tasks to complete" for ever."""
+    from pcache_rag.serve import AnswerService, create_app
+
+    _srv, _service, rag = served
+    srv = Server(create_app(AnswerService(rag, max_queue=4, max_new_tokens=8)), shutdown_timeout=1.0)
+    body = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[0]}], "stream": True}
+    with rag.pc.exclusive():  # the answer below is wedged until this block ends
+        client = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/chat/completions", json=body,
+                                                            timeout=120), daemon=True)
+        client.start()
+        wait_until(lambda: srv.server.server_state.tasks, "the request never reached the server")
+        srv.server.should_exit = True
+        wait_until(lambda: not srv.thread.is_alive(), "the server waited for the wedged answer")
+
+
 def test_serve_command_answers_over_http(tmp_path, smol_dir):
     docs = tmp_path / "docs"
     docs.mkdir()

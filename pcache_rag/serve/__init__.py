@@ -7,6 +7,8 @@ connection cap and a header timeout). Needs the ``serve`` extra (FastAPI, uvicor
 sse-starlette, python-multipart).
 """
 
+import math
+
 from .app import create_app
 from .errors import Busy, RequestError
 from .service import AnswerService
@@ -15,23 +17,26 @@ __all__ = ["AnswerService", "Busy", "RequestError", "create_app", "serve", "serv
 
 
 def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connections: int | None = None,
-                  header_timeout: float = 10.0, log_level: str = "info"):
+                  header_timeout: float = 10.0, log_level: str = "info", shutdown_timeout: float = 10.0):
     """The ``uvicorn.Config`` :func:`serve` runs: h11 with at most ``max_connections`` held
-    (default: well under the file descriptor limit) and request headers due within
-    ``header_timeout`` seconds."""
+    (default: well under the file descriptor limit), request headers due within
+    ``header_timeout`` seconds, and a stop (SIGTERM, SIGINT) that waits at most
+    ``shutdown_timeout`` seconds for answers in flight before it cancels them (a wedged answer
+    never keeps the server up)."""
     import uvicorn
 
     from .guard import default_max_connections, guarded_protocol
 
     proto = guarded_protocol(max_connections or default_max_connections(), header_timeout)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=proto,
-                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
+                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10,
+                          timeout_graceful_shutdown=max(1, math.ceil(shutdown_timeout)))  # uvicorn takes whole seconds
 
 
 def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, max_new_tokens: int = 128,
           max_batch: int = 16, prefill_tokens: int = 128, max_upload_mb: float = 20.0, log_level: str = "info",
           allowed_hosts=None, api_key: str | None = None, max_connections: int | None = None,
-          header_timeout: float = 10.0) -> None:
+          header_timeout: float = 10.0, shutdown_timeout: float = 10.0) -> None:
     """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted. ``allowed_hosts``
     defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`)."""
     import uvicorn
@@ -42,4 +47,5 @@ def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, m
                                    prefill_tokens=prefill_tokens),
                      max_upload_mb=max_upload_mb, api_key=api_key,
                      allowed_hosts=allowed_hosts if allowed_hosts is not None else allowed_hosts_for(host))
-    uvicorn.Server(server_config(app, host, port, max_connections, header_timeout, log_level)).run()
+    uvicorn.Server(server_config(app, host, port, max_connections, header_timeout, log_level,
+                                 shutdown_timeout)).run()
