@@ -127,7 +127,7 @@ def _rag(a, create: bool):
     return CachedRAG(index, pc=pc, k=getattr(a, "k", 4), chunk_tokens=getattr(a, "chunk_tokens", None),
                      chroma_url=a.chroma_url, create=create, recompute=getattr(a, "recompute", None) or "auto",
                      conditioning=a.conditioning, retrieval=getattr(a, "retrieval", "hybrid"),
-                     calibration=getattr(a, "calibration", "auto"))
+                     calibration=getattr(a, "calibration", "auto"), learn=getattr(a, "learn", True))
 
 
 def cmd_ingest(a) -> int:
@@ -536,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a connection has to send its request headers")
     v.add_argument("--shutdown-timeout", type=_positive_float, default=10.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds to wait for answers in flight before cancelling them")
+    v.add_argument("--no-learn", dest="learn", action="store_false",
+                   help="do not keep documents learned from prompts answered as sent (known ones are still read)")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     v.set_defaults(fn=cmd_serve)
 

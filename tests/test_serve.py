@@ -609,6 +609,32 @@ def test_full_queue_gets_503_with_retry_after(served, max_batch):
 # ---------------------------------------------------------------------- the command
 
 
+def test_learning_from_plain_prompts_can_be_turned_off(served):
+    """``CachedRAG(learn=False)`` (``serve --no-learn``): a document pasted into a plain prompt is
+    computed every time, never kept, and the answer says why."""
+    from pcache_rag.serve import AnswerService, create_app
+
+    _srv, _service, rag = served
+    doc = "The night ferry from Quellmoor to Astbury departs at 23:40 from pier nine, every day. " * 3
+    msgs = [{"role": "system", "content": f"Answer from the documents.\n\n{doc}"},
+            {"role": "user", "content": "When does the night ferry depart?"}]
+    rag.learn = False
+    try:
+        off = Server(create_app(AnswerService(rag, max_queue=4, max_new_tokens=4)))
+        try:
+            for _ in range(2):
+                r = httpx.post(off.url + "/v1/chat/completions", timeout=120, json={
+                    "model": "pcache-rag-plain", "messages": msgs, "max_tokens": 4, "temperature": 0})
+                extra = r.json()["pcache"]
+                assert r.status_code == 200 and extra["documents"] == 0, r.text
+                assert any(n.startswith("unseen: 1 block(s)") for n in extra["notes"]), extra["notes"]
+        finally:
+            off.stop()
+    finally:
+        rag.learn = True
+    assert doc.strip() not in rag.pc.known_texts, "nothing was learned"
+
+
 def test_a_stop_does_not_wait_for_a_wedged_answer(served):
     """A stop (what SIGTERM does to uvicorn) while an answer cannot finish (the engine is held):
     the server waits ``shutdown_timeout`` for it, then cancels it and stops, instead of waiting

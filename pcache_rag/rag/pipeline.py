@@ -82,6 +82,8 @@ class CachedRAG:
     besides the preamble (:mod:`pcache_rag.docmodules`); an index keeps its own until ``pcache-rag
     calibrate --learn`` moves it. ``retrieval``: ``"hybrid"`` (BM25 fused with MiniLM) or ``"dense"``.
     ``calibration``: ``"auto"`` (the index's own, from ``pcache-rag calibrate``), ``"none"`` or ``"ape:T:S"``.
+    ``learn``: a prompt answered as sent (:meth:`stream_prompt`, the server's plain model) has its
+    unknown blocks encoded and kept as documents (False: only known documents are read from the cache).
     """
 
     def __init__(
@@ -89,11 +91,13 @@ class CachedRAG:
         chunk_tokens: int | None = None, system_prompt: str = DEFAULT_SYSTEM, chroma_url: str | None = None,
         embedder: MiniLMEmbedder | None = None, create: bool = True, recompute: str | None = "auto",
         kv_url: str | None = None, conditioning: str | LearnedPrefix | None = None, retrieval: str = "hybrid",
-        calibration: str | None = "auto",
+        calibration: str | None = "auto", learn: bool = True,
     ):
         if calibration not in (None, "auto"):
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
+        #: prompts answered as sent (:meth:`stream_prompt`) teach their unknown blocks as documents
+        self.learn = bool(learn)
         #: the index directory's owner: its paths, manifest and settings
         self.folder = Index(index_dir, create)
         self.index_dir = self.folder.path
@@ -283,7 +287,8 @@ class CachedRAG:
         index's chunks (and other known documents) in it are read from the cache, marked or not;
         why other text was computed joins ``notes``. Returns the Assembler's stream."""
         self.know_indexed()
-        segs = self.asm.message_segments(messages) if messages is not None else self.asm.text_segments(prompt or "")
+        segs = (self.asm.message_segments(messages, learn=self.learn) if messages is not None
+                else self.asm.text_segments(prompt or "", learn=self.learn))
         if notes is not None:
             notes.extend(segs.uncached)
         return self.asm.stream_planned(segs, **gen)
