@@ -635,6 +635,29 @@ def test_learning_from_plain_prompts_can_be_turned_off(served):
     assert doc.strip() not in rag.pc.known_texts, "nothing was learned"
 
 
+def test_healthz_says_degraded_while_every_slot_is_stalled_and_recovers(served):
+    """Every answering slot held by answers that cannot move (the engine is held) for longer than
+    the stall limit: /healthz answers 503 with the reason; once they move, 200 again by itself."""
+    from pcache_rag.serve import AnswerService, create_app
+
+    _srv, _service, rag = served
+    service = AnswerService(rag, max_queue=4, max_new_tokens=4, max_batch=1)
+    service.stall_s = 0.5
+    srv = Server(create_app(service))
+    try:
+        assert httpx.get(srv.url + "/healthz").json() == {"ok": True}
+        with ThreadPoolExecutor(1) as ex:
+            with rag.pc.exclusive():
+                stuck = ex.submit(chat, srv.url, QUESTIONS[0])
+                wait_until(lambda: httpx.get(srv.url + "/healthz").status_code == 503, "never reported degraded")
+                body = httpx.get(srv.url + "/healthz").json()
+                assert body["ok"] is False and "answering slots are held" in body["reason"], body
+            assert stuck.result().status_code == 200
+        wait_until(lambda: httpx.get(srv.url + "/healthz").status_code == 200, "never recovered")
+    finally:
+        srv.stop()
+
+
 def test_a_stop_does_not_wait_for_a_wedged_answer(served):
     """A stop (what SIGTERM does to uvicorn) while an answer cannot finish (the engine is held):
     the server waits ``shutdown_timeout`` for it, then cancels it and stops, instead of waiting

@@ -200,6 +200,11 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="pcache-batch", daemon=True)
             self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the batch's thread runs (False before :meth:`start` and after it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; waiting and running requests get an error."""
         with self._cond:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -98,7 +98,9 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
 
     @app.get("/healthz")
     async def health():
-        return {"ok": True}
+        """200 ``{"ok": true}``; 503 with the reason while the service is stalled (AnswerService.health)."""
+        ok, why = service.health()
+        return {"ok": True} if ok else JSONResponse({"ok": False, "reason": why}, status_code=503)
 
     @app.get("/api/status")
     async def status():

@@ -107,6 +107,10 @@ class AnswerService:
         self._running: set[str] = set()  # ids of the jobs being answered
         self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0}
         self._job_s: list[float] = []  # recent service times, for Retry-After
+        #: when an answer last moved (a token, an end): :meth:`health` calls a long silence with
+        #: every slot held a stall
+        self._progress = time.monotonic()
+        self.stall_s = 60.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,6 +257,7 @@ class AnswerService:
             return None
 
     def _done(self, job: Job, t0: float) -> None:
+        self._progress = time.monotonic()
         self._running.discard(job.id)
         self._job_s.append(time.perf_counter() - t0)
         del self._job_s[:-64]
@@ -310,6 +315,7 @@ class AnswerService:
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                self._progress = time.monotonic()
                 job.emit("delta", item)
         finally:
             stream.close()  # releases the engine at once when the client went away
@@ -338,37 +344,55 @@ class AnswerService:
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict:
-        """What the page's cache panel shows: chunks, documents, bytes/hits/misses per tier,
-        the queue and the counters."""
-        pc = self.rag.pc
-        st = pc.stats()
-        tiers = {name: {k: t[k] for k in ("bytes", "entries", "hits", "misses", "evictions")}
-                 for name, t in st["tiers"].items()}
-        try:
-            states = self.rag.upkeep.state_stats()
-            chunks, documents = states["chunks"], states["documents"]
-        except Exception as e:  # noqa: BLE001 - a damaged index is reported, not fatal
-            chunks, documents, states = 0, 0, {}
-            log.warning("index statistics unavailable: %s", e)
-        return {
-            "model": self.model_id,
-            "chunks": chunks,
-            "documents": documents,
-            "bytes_per_token": self.rag.chunks.bytes_per_token,
-            "tiers": tiers,
-            "states": states,  # lazily indexed chunks: hot (encoded on first use) and cold
-            "encoded": st["encoded"],  # by this process: zero when another one encoded everything
-            # how answers read the cache: calibrated attention (and where it comes from), conditioning, retrieval
-            "calibration": dict(zip(("attention", "source"), self.rag.calibration)),
-            "conditioning": self.rag.asm.conditioning,
-            "retrieval": self.rag.retrieval,
-            "queue": {"waiting": self._q.qsize(), "limit": self.max_queue, "running": bool(self._running),
-                      "answering": len(self._running), "max_batch": self.max_batch},
-            "batch": self.rag.pc.batch_stats(),
-            **self.counts,
-            "ingest": self.uploads.status(),
-        }
+        """What the page's cache panel shows (:func:`service_stats`)."""
+        return service_stats(self)
 
+    def health(self, stall_s: float | None = None) -> tuple[bool, str]:
+        """``(ok, why not)``: degraded while every answering slot is held and no answer has made
+        progress for ``stall_s`` seconds (default :attr:`stall_s`), or when the batch's thread
+        has died; it recovers on its own as soon as an answer moves again."""
+        stall = self.stall_s if stall_s is None else stall_s
+        sched = self.rag.pc.scheduler
+        if self._own_batch and sched is not None and not sched.alive:
+            return False, "the batch scheduler's thread has stopped"
+        idle = time.monotonic() - self._progress
+        if len(self._running) >= self.max_batch and idle > stall:
+            return False, (f"all {self.max_batch} answering slots are held and no answer has moved for "
+                           f"{idle:.0f} s")
+        return True, ""
+
+
+def service_stats(service: AnswerService) -> dict:
+    """What the page's cache panel shows: chunks, documents, bytes/hits/misses per tier,
+    the queue and the counters."""
+    pc = service.rag.pc
+    st = pc.stats()
+    tiers = {name: {k: t[k] for k in ("bytes", "entries", "hits", "misses", "evictions")}
+             for name, t in st["tiers"].items()}
+    try:
+        states = service.rag.upkeep.state_stats()
+        chunks, documents = states["chunks"], states["documents"]
+    except Exception as e:  # noqa: BLE001 - a damaged index is reported, not fatal
+        chunks, documents, states = 0, 0, {}
+        log.warning("index statistics unavailable: %s", e)
+    return {
+        "model": service.model_id,
+        "chunks": chunks,
+        "documents": documents,
+        "bytes_per_token": service.rag.chunks.bytes_per_token,
+        "tiers": tiers,
+        "states": states,  # lazily indexed chunks: hot (encoded on first use) and cold
+        "encoded": st["encoded"],  # by this process: zero when another one encoded everything
+        # how answers read the cache: calibrated attention (and where it comes from), conditioning, retrieval
+        "calibration": dict(zip(("attention", "source"), service.rag.calibration)),
+        "conditioning": service.rag.asm.conditioning,
+        "retrieval": service.rag.retrieval,
+        "queue": {"waiting": service._q.qsize(), "limit": service.max_queue, "running": bool(service._running),
+                  "answering": len(service._running), "max_batch": service.max_batch},
+        "batch": service.rag.pc.batch_stats(),
+        **service.counts,
+        "ingest": service.uploads.status(),
+    }
 
 
 def _indexed(rag, ingesting: bool) -> int:
