@@ -35,6 +35,10 @@ on top of the cached states recovers much of the lost quality:
   brings several chunks that state the same kind of fact about other subjects (a catalogue,
   a policy manual's sections), each chunk's own sentence of that shape is read in context,
   not the asked one alone (issue 56). At most ``N`` x 64 tokens a unit.
+* ``contrast:N``: ``match:N``'s sentences whole, and in every other unit after the first only
+  the tokens of its closest look-alike sentence that the question does not name: what tells
+  the look-alikes apart (another place's name, its value), a few tokens a chunk where
+  ``each:N`` reads the whole sentence (issue 56).
 * ``all``: every context token (a correctness anchor: it equals a full causal
   prefill of the same tokens and positions).
 * ``Recompute.explicit(rows)``: the given cache rows (no string form). This is
@@ -67,7 +71,7 @@ import torch
 
 from .words import tokenize
 
-KINDS = ("none", "epic", "blend", "focus", "match", "each", "all", "rows")
+KINDS = ("none", "epic", "blend", "focus", "match", "each", "contrast", "all", "rows")
 #: ``focus``: a token's score is the best within this many tokens either side
 FOCUS_WINDOW = 4
 #: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
@@ -113,7 +117,7 @@ class Recompute:
         try:
             if name in ("none", "all") and not arg:
                 return cls(name)
-            if name in ("epic", "match", "each") and arg:
+            if name in ("epic", "match", "each", "contrast") and arg:
                 k = int(arg)
                 if k < 1:
                     raise ValueError
@@ -132,12 +136,12 @@ class Recompute:
         except ValueError:
             pass
         raise ValueError(
-            f"recompute must be 'none', 'all', 'epic:K', 'match:N' or 'each:N' (K, N >= 1), 'blend:R' / "
+            f"recompute must be 'none', 'all', 'epic:K', 'match:N', 'each:N' or 'contrast:N' (K, N >= 1), 'blend:R' / "
             f"'blend:R@LAYER' or 'focus:R' (0 < R <= 1), not {spec!r}"
         )
 
     def __str__(self) -> str:
-        if self.kind in ("epic", "match", "each"):
+        if self.kind in ("epic", "match", "each", "contrast"):
             return f"{self.kind}:{self.k}"
         if self.kind == "blend":
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
@@ -293,6 +297,29 @@ def each_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
     return rows
 
 
+def contrast_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
+    """Cache rows of ``contrast:n``: :func:`match_rows`' sentences whole, and in every unit after
+    the first the tokens of its sentence sharing the most words with the question (as
+    :func:`each_rows` picks it) whose words the question does not have, and its digits. In
+    cache order."""
+    want = lexicon.words(new_ids)
+    if not want or len(kvs) < 2:
+        return []
+    rows = set(match_rows(lexicon, kvs, new_ids, n))
+    off = kvs[0].length
+    for kv in kvs[1:]:
+        ranked = sorted((-len(want & w), e - s, s, e) for s, e, w in lexicon.segments(kv.token_ids) if want & w)
+        if ranked:
+            _, _, s, e = ranked[0]
+            ids = kv.token_ids[s:e].tolist()
+            for j, t in enumerate(ids):
+                words = lexicon.words([t])  # a number's pieces have no words of their own: kept by their digits
+                if (words and not words & want) or any(c.isdigit() for c in lexicon.tokenizer.decode([t])):
+                    rows.add(off + s + j)
+        off += kv.length
+    return sorted(rows)
+
+
 def recompute_mask(base: torch.Tensor, C: int, rows: torch.Tensor) -> torch.Tensor:
     """The (nS + q, C + nS + q) mask of a forward whose query is the ``rows`` (nS,) of the
     cache, recomputed, followed by the q new tokens whose own mask is ``base`` (q, C + q).
@@ -382,12 +409,12 @@ def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), ne
         return list(range(sum(lengths)))
     if policy.kind == "epic":
         return epic_rows(lengths, policy.k)
-    if policy.kind in ("match", "each"):
+    if policy.kind in ("match", "each", "contrast"):
         if lexicon is None:
             raise ValueError(f"recompute '{policy.kind}' compares words: give select_rows the engine's Lexicon")
         if not new_ids:
             raise ValueError(f"recompute '{policy.kind}' ranks context by the new tokens' words; this prompt has none")
-        rank = match_rows if policy.kind == "match" else each_rows
+        rank = {"match": match_rows, "each": each_rows, "contrast": contrast_rows}[policy.kind]
         return rank(lexicon, kvs, list(new_ids), policy.k)
     if policy.kind == "focus":
         return blend_rows(focus_scores(question_attention(adapter, workspace, kvs, list(new_ids), list(new_pos))),

@@ -26,6 +26,9 @@ END = "<!-- /numbers -->"
 BENCH = ("benchmarks.json", "docs/benchmarks.md")
 QUALITY = ("runs/quality-checkpoint-2026-12-03.json", "docs/quality.md")
 LOOKALIKE = ("runs/2026-12-06-lookalike-reporting-checkpoint.json", "docs/runs/2026-12-06-lookalike-set.md")
+#: the look-alike set at ~330-token documents (the issue's own shape), tuning draw: its checkpoints
+LOOKALIKE_330 = (["runs/2026-12-06-lookalike-330-tuning-checkpoint.json",
+                  "runs/2026-12-06-lookalike-330-contrast-tuning-checkpoint.json"], "docs/runs/2026-12-06-lookalike-330.md")
 DECODE = {"AVX-512": ("runs/2026-12-06-bench-decode-avx512.json", "docs/runs/2026-12-06-decode-every-cpu.md"),
           "AVX2": ("runs/2026-12-06-bench-decode-avx2.json", "docs/runs/2026-12-06-decode-every-cpu.md")}
 DEFAULT = "cond:learned+match:1"  # the RAG default's mode name in the eval
@@ -58,6 +61,14 @@ def rows() -> list[tuple[str, str, str]]:
     tokens = statistics.median(t for _, r in sets for t in r["full"]["prompt_tokens"])
     out.append((f"time to first token of those answers (~{tokens:,.0f} tokens), vs full prefill", speed,
                 f"{QUALITY[1]}, {LOOKALIKE[1]}"))
+    runs = [_load(rel)["records"]["lookalike"] for rel in LOOKALIKE_330[0]]  # each mode against its own run's full
+    look = runs[0]
+    cells = [f"full prefill {sum(look['full']['correct'])}", f"RAG default {sum(look[DEFAULT]['correct'])} "
+             f"({_speedup(look, DEFAULT):.0f}x)"]
+    cells += [f"`{m.split('+', 1)[1]}` {sum(r['correct'])} ({_speedup(run, m):.1f}x)" for run in runs
+              for m, r in run.items() if m not in ("full", DEFAULT)]
+    out.append((f"answers right of {len(look['full']['correct'])}, look-alike facts in ~330-token documents "
+                "(tuning draw)", " · ".join(cells), LOOKALIKE_330[1]))
     for isa, (rel, link) in DECODE.items():
         d = _load(rel)
         by = {r["name"]: r for r in d["rows"]}

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from helpers import WINDOWED, adapter_of, contiguous_parts, stock_mask, tiny_model
 from pcache_rag import PromptCache
 from pcache_rag.models import UnsupportedModelError
-from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, each_rows, epic_rows, focus_scores, match_rows,
+from pcache_rag.recompute import (MATCH_MAX_TOKENS, Lexicon, Recompute, contrast_rows, each_rows, epic_rows, focus_scores, match_rows,
                                   question_attention, recompute_mask, select_rows)
 from pcache_rag.engine import Parts
 
@@ -333,6 +333,26 @@ def test_each_reads_every_units_look_alike_sentence_in_context(smol_tok):
         Recompute.parse("each:0")
     res = pc.prefill(Parts(parts, new), recompute="each:1")
     assert res.recomputed_tokens == (twin[1] - twin[0]) + (asked[1] - asked[0])
+
+
+def test_contrast_reads_the_asked_sentence_and_what_sets_its_look_alikes_apart(smol_tok):
+    """``contrast:1``: match:1's sentence whole, and in every other unit only the tokens of its
+    look-alike sentence that the question does not name (the other place, its time); it parses,
+    prints and recomputes exactly those rows."""
+    pc, parts, new, kvs, seg = _sentences(smol_tok, [
+        "You answer questions.",
+        "Tea is hot. The last ferry from Penwick leaves at 09:05. Time is short.",
+        "Maps are old. The last ferry from Ashford leaves at 17:30. Snow is cold.",
+        "Nothing here is shared at all."], " At what time does the last ferry from Ashford leave?")
+    twin, asked = seg["The last ferry from Penwick leaves at 09:05."], seg["The last ferry from Ashford leaves at 17:30."]
+    rows = contrast_rows(pc.prefiller.lexicon, kvs, new, 1)
+    ids = torch.cat([kv.token_ids for kv in kvs])
+    picked = smol_tok.decode(ids[[r for r in rows if twin[0] <= r < twin[1]]].tolist())
+    assert set(range(*asked)) <= set(rows) and set(rows) <= set(range(*twin)) | set(range(*asked))
+    assert "Penwick" in picked.replace(" ", "") and "09" in picked and "ferry" not in picked, picked
+    assert str(Recompute.parse("contrast:1")) == "contrast:1"
+    res = pc.prefill(Parts(parts, new), recompute="contrast:1")
+    assert res.recomputed_tokens == len(rows) < (twin[1] - twin[0]) + (asked[1] - asked[0])
 
 
 def test_match_chains_to_the_sentence_the_first_one_names(smol_tok):
