@@ -314,15 +314,18 @@ def _sentences(tok, texts: list[str], question: str):
     return pc, parts, new, kvs, seg
 
 
+#: units stating one fact of the same shape about two places, one unit sharing nothing, and the question
+LOOK_ALIKES = (["You answer questions.",
+                "Tea is hot. The last ferry from Penwick leaves at 09:05. Time is short.",
+                "Maps are old. The last ferry from Ashford leaves at 17:30. Snow is cold.",
+                "Nothing here is shared at all."], " At what time does the last ferry from Ashford leave?")
+
+
 def test_each_reads_every_units_look_alike_sentence_in_context(smol_tok):
     """``each:1`` takes, in every unit after the first, its sentence sharing the most words with
     the question: the asked sentence and its look-alikes about other places; a unit sharing no
     word gives nothing; it parses, prints and recomputes exactly those rows."""
-    pc, parts, new, kvs, seg = _sentences(smol_tok, [
-        "You answer questions.",
-        "Tea is hot. The last ferry from Penwick leaves at 09:05. Time is short.",
-        "Maps are old. The last ferry from Ashford leaves at 17:30. Snow is cold.",
-        "Nothing here is shared at all."], " At what time does the last ferry from Ashford leave?")
+    pc, parts, new, kvs, seg = _sentences(smol_tok, *LOOK_ALIKES)
     twin, asked = seg["The last ferry from Penwick leaves at 09:05."], seg["The last ferry from Ashford leaves at 17:30."]
     assert each_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*twin)) + list(range(*asked))
     assert match_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*asked)), "match:1 reads the asked one alone"
@@ -339,11 +342,7 @@ def test_contrast_reads_the_asked_sentence_and_what_sets_its_look_alikes_apart(s
     """``contrast:1``: match:1's sentence whole, and in every other unit only the tokens of its
     look-alike sentence that the question does not name (the other place, its time); it parses,
     prints and recomputes exactly those rows."""
-    pc, parts, new, kvs, seg = _sentences(smol_tok, [
-        "You answer questions.",
-        "Tea is hot. The last ferry from Penwick leaves at 09:05. Time is short.",
-        "Maps are old. The last ferry from Ashford leaves at 17:30. Snow is cold.",
-        "Nothing here is shared at all."], " At what time does the last ferry from Ashford leave?")
+    pc, parts, new, kvs, seg = _sentences(smol_tok, *LOOK_ALIKES)
     twin, asked = seg["The last ferry from Penwick leaves at 09:05."], seg["The last ferry from Ashford leaves at 17:30."]
     rows = contrast_rows(pc.prefiller.lexicon, kvs, new, 1)
     ids = torch.cat([kv.token_ids for kv in kvs])
