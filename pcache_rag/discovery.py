@@ -63,6 +63,8 @@ MIN_CHARS = 64
 BLOCK_BREAK = re.compile(r"\n[ \t]*\n")
 #: the journal's file name in an engine's ``cache_dir``
 KNOWN_JOURNAL = "known-texts.jsonl"
+#: new documents one prompt may teach (blocks learned on its first sight); beyond it they are computed
+MAX_LEARNED_BLOCKS = 32
 #: an opening or question piece this long may hold documents: said in ``uncached`` when computed
 LONG_CHARS = 512
 #: a template's label at the start of a line (``Context:``, ``Question:``, ``Answer:``...): the
@@ -289,6 +291,7 @@ class Uncached:
     unseen: int = 0  # blocks long enough, not known, with learning off
     cut: int = 0  # a known document's opening found, the rest different
     learned: int = 0  # blocks taken as new documents (encoded on this first sight)
+    capped: int = 0  # blocks that could have been learned, beyond one prompt's cap
 
     def reasons(self) -> list[str]:
         """One sentence per reason that applies (empty when every candidate was cached)."""
@@ -300,6 +303,9 @@ class Uncached:
             out.append(f"one block: {self.whole} long piece(s) that open a message or hold the question ({LONG_CHARS}+ "
                        "characters, no blank line or label inside) were computed; documents in them cannot be told "
                        "apart: put blank lines around the documents")
+        if self.capped:
+            out.append(f"capped: {self.capped} block(s) beyond this prompt's limit of new documents were computed, "
+                       "not learned")
         if self.unseen:
             out.append(f"unseen: {self.unseen} block(s) are not known documents and learning documents from "
                        "prompts is off, so they were computed")
@@ -310,7 +316,7 @@ class Uncached:
 
 
 def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, trail: bool,
-                   uncached: Uncached | None = None) -> list[tuple[int, int]]:
+                   uncached: Uncached | None = None, learn_limit: int | None = None) -> list[tuple[int, int]]:
     """The documents in one piece of a message: known texts found anywhere in it
     (:meth:`KnownTexts.find`), and - with ``learn`` - its other pieces (:func:`pieces`) of at
     least :data:`MIN_CHARS` characters, except:
@@ -320,7 +326,9 @@ def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, tra
     * the question: a piece after a question label (``Question:``), or, when ``trail`` (it ends the
       final user message) and no label names one, the last piece.
 
-    Non-overlapping spans, in order; ``uncached`` counts the rest."""
+    At most ``learn_limit`` blocks are learned while ``uncached.learned`` counts them (one
+    prompt's cap, :data:`MAX_LEARNED_BLOCKS` in the Assembler); the rest are computed and
+    counted as ``capped``. Non-overlapping spans, in order; ``uncached`` counts the rest."""
     misses: list[int] = []
     spans = known.find(text, misses) if len(known) else []
     found = list(spans)
@@ -337,10 +345,12 @@ def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, tra
         if b - a < MIN_CHARS:
             if uncached is not None:
                 uncached.short += 1
-        elif learn:
+        elif learn and (learn_limit is None or uncached is None or uncached.learned < learn_limit):
             found.append((a, b))
             if uncached is not None:
                 uncached.learned += 1
+        elif learn and uncached is not None:
+            uncached.capped += 1
         elif uncached is not None:
             uncached.unseen += 1
     if uncached is not None:
@@ -348,5 +358,5 @@ def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, tra
     return sorted(found)
 
 
-__all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "LABEL", "LONG_CHARS", "MIN_CHARS", "QUESTION_LABELS", "KnownTexts",
-           "Uncached", "blocks", "document_spans", "pieces"]
+__all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "LABEL", "LONG_CHARS", "MAX_LEARNED_BLOCKS", "MIN_CHARS",
+           "QUESTION_LABELS", "KnownTexts", "Uncached", "blocks", "document_spans", "pieces"]

@@ -314,6 +314,24 @@ def test_template_labels_cut_pieces_and_name_the_question():
     assert [text[a:b] for a, b in document_spans(text, KnownTexts(), learn=True, lead=True, trail=False)] == [DOC_A]
 
 
+def test_one_prompt_teaches_at_most_its_cap_of_new_documents():
+    """A prompt of 40 learnable blocks learns the first 32 (the Assembler's cap), computes the
+    rest and says so, in words; known documents are found whatever the cap."""
+    from pcache_rag.discovery import MAX_LEARNED_BLOCKS
+
+    docs = [f"Block {i}: the depot at Yarford {i} keeps {i * 7} crates of copper wire in its north hall." for i in range(40)]
+    text = "Read these.\n\n" + "\n\n".join(docs)
+    why = Uncached()
+    spans = document_spans(text, KnownTexts(), learn=True, lead=True, trail=False, uncached=why,
+                           learn_limit=MAX_LEARNED_BLOCKS)
+    assert [text[a:b] for a, b in spans] == docs[:32] and (why.learned, why.capped) == (32, 8)
+    assert any(r.startswith("capped: 8 block(s) beyond this prompt's limit") for r in why.reasons())
+    known = KnownTexts()
+    known.add(docs[35])
+    spans = document_spans(text, known, learn=True, lead=True, trail=False, uncached=Uncached(), learn_limit=0)
+    assert [text[a:b] for a, b in spans] == [docs[35]]
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("n_docs", [3, 4])
 def test_the_rag_prompt_layout_reads_its_documents_from_the_cache_on_repeat(smol, n_docs):

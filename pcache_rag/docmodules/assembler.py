@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..discovery import MIN_CHARS, Uncached, document_spans
+from ..discovery import MAX_LEARNED_BLOCKS, MIN_CHARS, Uncached, document_spans
 from ..engine import ContextOverflowError, GenerationOutput, Parts, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
@@ -107,6 +107,9 @@ class Assembler(DocumentStates):
     #: or encoded first and read from the cache at once (False: the first sight costs its encoding
     #: on top of the answer's prefill, 2.7-3.1x full prefill's time to first token as measured)
     defer_first_sight = True
+    #: new documents one prompt may teach (:data:`~pcache_rag.discovery.MAX_LEARNED_BLOCKS`); the rest
+    #: of its blocks are computed and said so (``capped``)
+    max_learned_blocks = MAX_LEARNED_BLOCKS
 
     # ------------------------------------------------------------------ prompts
 
@@ -154,7 +157,8 @@ class Assembler(DocumentStates):
                 out.append(Segment(text, "document" if marked else "text"))
                 continue
             spans = document_spans(text, self.known_texts, learn=learn, lead=j == 0,
-                                   trail=final_user and j == len(pieces) - 1, uncached=why)
+                                   trail=final_user and j == len(pieces) - 1, uncached=why,
+                                   learn_limit=self.max_learned_blocks)
             at = 0
             for a, b in spans:
                 if a > at:
