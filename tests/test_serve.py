@@ -591,10 +591,13 @@ def test_full_queue_gets_503_with_retry_after(served, max_batch):
             assert chat(srv.url, q).status_code == 200
         with ThreadPoolExecutor(8) as ex:
             with rag.pc.exclusive():  # the engine is busy, so the answers being taken cannot finish
-                first = [ex.submit(chat, srv.url, q) for q in QUESTIONS[:max_batch]]
-                # a hang names where the worker waits
-                wait_until(lambda: service.stats()["queue"]["answering"] >= max_batch,
-                           lambda: f"the worker never took the first questions: {_stacks()}")
+                # one at a time, each taken before the next is sent: sent together, the second could
+                # find the queue of one still holding the first (a 503, and the worker never fills up)
+                first = []
+                for i, q in enumerate(QUESTIONS[:max_batch]):
+                    first.append(ex.submit(chat, srv.url, q))
+                    wait_until(lambda i=i: service.stats()["queue"]["answering"] >= i + 1,
+                               lambda: f"the worker never took the first questions: {_stacks()}")
                 queued = ex.submit(chat, srv.url, QUESTIONS[max_batch])  # fills the queue of one
                 wait_until(lambda: service.stats()["queue"]["waiting"] >= 1, "the next question was not queued")
                 busy = [chat(srv.url, q) for q in QUESTIONS[max_batch + 1 : max_batch + 4]]
