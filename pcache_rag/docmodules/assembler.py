@@ -103,9 +103,9 @@ class Assembler(DocumentStates):
     answered from their cached states (see the module docstring); the states side, and the
     arguments, are :class:`~.states.DocumentStates`'."""
 
-    #: a document not yet stored is computed with the prompt and encoded after the answer (True),
-    #: or encoded first and read from the cache at once (False: the first sight costs its encoding
-    #: on top of the answer's prefill, 2.7-3.1x full prefill's time to first token as measured)
+    #: a document not yet stored is computed with the prompt and encoded after the answer (True:
+    #: its first sight never encodes before the first token), or encoded first and read from the
+    #: cache at once (False; docs/runs/2026-12-06-first-sight.md measures both)
     defer_first_sight = True
     #: new documents one prompt may teach (:data:`~pcache_rag.discovery.MAX_LEARNED_BLOCKS`); the rest
     #: of its blocks are computed and said so (``capped``)
@@ -257,12 +257,11 @@ class Assembler(DocumentStates):
                 encoded += len(prefix)
             parts.append(("prefix", kv))
         deferred: list[list[int]] = []
-        if self.defer_first_sight:
-            cut = next((j for j, (_, stored) in enumerate(mid) if not self._stored(stored)), None)
-            if cut is not None:  # from the first unseen document on, the prompt is computed in one forward
-                deferred = [stored for _, stored in mid[cut:] if not self._stored(stored)]
-                tail = [t for ids, _ in mid[cut:] for t in ids] + tail
-                mid = mid[:cut]
+        missing = [j for j, (_, stored) in enumerate(mid) if not self._stored(stored)] if self.defer_first_sight else []
+        if missing:  # from the first unseen document on, the prompt is computed in one forward
+            deferred = [mid[j][1] for j in missing]
+            tail = [t for ids, _ in mid[missing[0]:] for t in ids] + tail
+            mid = mid[: missing[0]]
         pos = len(prefix)
         for j, (ids, stored) in enumerate(mid):
             kv, new = self.states(stored)

@@ -21,7 +21,7 @@ from .chunking import SUPPORTED, SkipFile, read_document, split_tokens
 from .chunks import ChunkStates
 from .embed import MiniLMEmbedder
 from .index import ChromaIndex
-from .states import budget, budget_room, drop_chunks, human, persisted, release_states
+from .states import budget_room, drop_chunks, human, persisted, release_states
 from .types import IngestReport
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Ingestor:
         bpt = self.chunks.bytes_per_token
         rep.projected_bytes = rep.projected_tokens * bpt
         if encode == "eager" and todo:
-            store_budget = budget(self.chunks.store)
+            store_budget = self.chunks.store.budget_bytes()
             room = budget_room(self.chunks.store)
             self.say(progress, f"to encode: {len(todo)} chunks, {rep.projected_tokens} tokens, "
                                 f"{human(rep.projected_bytes)} of states (store budget {human(store_budget)}"
@@ -223,7 +223,7 @@ class Ingestor:
         self.chroma.update_metadata([c for c, _ in lost], [{**m, "lazy": True} for _c, m in lost])
         rep.chunks_lazy += len(lost)
         msg = (f"the store kept the states of all but {len(lost)} chunks within its budget of "
-               f"{human(budget(self.chunks.store))}: those are now encoded on first use (raise --disk-budget "
+               f"{human(self.chunks.store.budget_bytes())}: those are now encoded on first use (raise --disk-budget "
                f"to keep them)")
         rep.notes.append(msg)
         log.warning(msg)

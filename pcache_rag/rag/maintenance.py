@@ -19,7 +19,7 @@ from .index import ChromaIndex
 from .index_dir import Index
 from .ingest import Ingestor, pending_uploads
 from .live import LiveIndex
-from .states import budget_room, check_store, drop_chunks, human, persisted
+from .states import budget_room, drop_chunks, human, persisted
 from .types import IngestReport, VerifyReport
 
 
@@ -78,7 +78,7 @@ def _verify(chroma: ChromaIndex, kv: KVStore, upload_dir: Path, store: bool) -> 
             cur = current[group[0][1]["source"]]
             rep.duplicates.extend(cid for cid, m in group if m["sha"] != cur or cur is None)
     if store:
-        rep.store.extend(check_store(kv))
+        rep.store.extend(kv.check())
     return rep
 
 
@@ -90,7 +90,7 @@ def repair_index(ing: Ingestor, upload_dir: Path) -> list[str]:
     chroma, store = ing.chroma, ing.chunks.store
     v = verify(chroma, store, upload_dir, check=False)
     fixed: list[str] = []
-    fixed.extend(check_store(store, repair=True))
+    fixed.extend(store.check(repair=True))
     drop = set(v.stale) | set(v.duplicates)
     if drop:
         chunks = dict(chroma.chunks())

@@ -17,21 +17,11 @@ def persisted(store: KVStore, key: str) -> bool:
     return disk.contains(key) if disk is not None else store.contains(key)
 
 
-def budget(store: KVStore) -> int | None:
-    """The persistent tier's budget in bytes (None: no budget)."""
-    return store.budget_bytes()
-
-
 def budget_room(store: KVStore) -> int | None:
-    """Bytes the persistent tier can still take within its budget (None: no budget)."""
-    disk = store.persistent_tier()
-    limit = disk.budget_bytes() if disk is not None else None
-    return None if disk is None or limit is None else limit - int(disk.stats().bytes)
-
-
-def check_store(store: KVStore, repair: bool = False) -> list[str]:
-    """The persistent tier's own consistency check (rows against files); fixes with ``repair``."""
-    return store.check(repair=repair)
+    """Bytes the persistent tier can still take within its budget (``store.budget_bytes()``;
+    None: no budget)."""
+    limit, disk = store.budget_bytes(), store.persistent_tier()
+    return None if limit is None or disk is None else limit - int(disk.stats().bytes)
 
 
 def bytes_per_token(pc) -> int:
