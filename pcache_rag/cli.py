@@ -310,7 +310,7 @@ def cmd_serve(a) -> int:
           max_batch=a.max_batch, prefill_tokens=a.prefill_tokens, max_upload_mb=a.max_upload_mb, log_level="warning" if a.quiet else "info",
           allowed_hosts=hosts,
           api_key=api_key, max_connections=a.limit_concurrency, header_timeout=a.header_timeout,
-          shutdown_timeout=a.shutdown_timeout)
+          shutdown_timeout=a.shutdown_timeout, stall_timeout=a.stall_timeout)
     rag.close()
     return 0
 
@@ -535,7 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="S",
                    help="seconds a connection has to send its request headers")
     v.add_argument("--shutdown-timeout", type=_positive_float, default=10.0, metavar="S",
-                   help="on SIGTERM or Ctrl-C, seconds to wait for answers in flight before cancelling them")
+                   help="on SIGTERM or Ctrl-C, seconds to wait for answers in flight before ending them with an error")
+    # engine.watchdog.DEFAULT_STALL_S, written out: this module imports no torch
+    v.add_argument("--stall-timeout", type=_positive_float, default=120.0, metavar="S",
+                   help="answers waiting this long on a batch that makes no step are failed (503 'stalled') and "
+                        "their places freed")
     v.add_argument("--no-learn", dest="learn", action="store_false",
                    help="do not keep documents learned from prompts answered as sent (known ones are still read)")
     v.add_argument("--quiet", action="store_true", help="log warnings only")

@@ -239,11 +239,12 @@ class Server:
     def __init__(self, app, **config):
         import uvicorn  # imported here: only the serve tests need it
 
-        from pcache_rag.serve import server_config
+        from pcache_rag.serve import graceful_server, server_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_level="warning", **config))
+        self.server: uvicorn.Server = graceful_server(server_config(app, "127.0.0.1", self.port, log_level="warning",
+                                                                    **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         def started() -> bool:

@@ -311,6 +311,32 @@ def test_one_failing_request_ends_alone_and_the_others_answer_as_alone(pc, monke
     assert sched.stats()["live"] == 0 and sched.live_rows == 0
 
 
+def test_a_stalled_batch_fails_what_waits_on_it_and_frees_its_rows(pc):
+    """The batch makes no step (the engine is held, as a wedged kernel would hold it) for longer
+    than the stall limit: the requests waiting on it end with StalledError at once, before the
+    engine is free; once it is, their rows are dropped and the next request answers as alone."""
+    from pcache_rag.engine import StalledError
+
+    parts, q = _requests(pc)[0]
+    want = pc.generate(Parts(parts, q), max_new_tokens=4).token_ids
+    sched = Scheduler(pc.core, stall_s=0.3)
+    sched.start()
+    try:
+        with pc.exclusive():
+            reqs = [sched.submit(_direct(pc, parts, q, SamplingParams(max_new_tokens=4))) for _ in range(2)]
+            for r in reqs:
+                with pytest.raises(StalledError, match="made no progress"):
+                    list(r.items())
+            assert sched.stats()["stalled"] == 2
+        wait_until(lambda: not sched.requests() and sched.live_rows == 0, "the stalled rows were never dropped")
+        again = sched.submit(_direct(pc, parts, q, SamplingParams(max_new_tokens=4)))
+        *_, out = again.items()
+        assert out.token_ids == want
+        assert sched.watchdog.check() == 0, "a batch that steps stalls nothing"
+    finally:
+        sched.stop()
+
+
 def test_alibi_decodes_alone_and_says_so(smol_tok):
     pc = _engine("bloom", smol_tok)
     parts, q = contiguous_parts(pc, TEXTS[:2])
@@ -362,11 +388,16 @@ def test_release_pool_hands_back_this_threads_openmp_workers():
     assert threads() >= released + torch.get_num_threads() - 1, "the next region built a pool again"
 
 
-def test_serve_default_prefill_budget_is_the_engines():
-    """`serve --prefill-tokens` defaults to the scheduler's own budget (the CLI writes it out,
-    since it imports no torch)."""
+def test_serve_defaults_are_the_engines():
+    """`serve --prefill-tokens` and `--stall-timeout` default to the scheduler's own figures
+    (the CLI writes them out, since it imports no torch), and so does `serve()`."""
+    import inspect
+
     from pcache_rag.cli import build_parser
     from pcache_rag.engine.scheduler import DEFAULT_PREFILL_TOKENS
+    from pcache_rag.engine.watchdog import DEFAULT_STALL_S
+    from pcache_rag.serve import serve
 
     args = build_parser().parse_args(["serve", "--index", "x"])
     assert args.prefill_tokens == DEFAULT_PREFILL_TOKENS
+    assert args.stall_timeout == DEFAULT_STALL_S == inspect.signature(serve).parameters["stall_timeout"].default

@@ -574,6 +574,31 @@ def test_an_internal_failure_reaches_the_client_as_a_code_and_our_own_line(serve
     assert "0x7f3a" in caplog.text, "the log keeps what happened"
 
 
+def test_a_500_keeps_the_connection_usable(served, monkeypatch, caplog):
+    """An exception in a handler that nothing answers: the client gets our 500 (code
+    ``internal_error``, the request's id, not the exception's text) and its next request on the
+    same keep-alive connection is answered (it was reset: uvicorn closes the connection of an
+    app that raised)."""
+    srv, service, _rag = served
+
+    def broken(*a, **kw):
+        raise RuntimeError("parser state 0x7f3a")
+
+    body = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
+    ports = []
+    with httpx.Client(timeout=120, event_hooks={"response": [
+            lambda r: ports.append(r.extensions["network_stream"].get_extra_info("client_addr")[1])]}) as client:
+        with caplog.at_level("ERROR", logger="pcache_rag.serve.http"):
+            monkeypatch.setattr(service, "submit", broken)
+            r = client.post(srv.url + "/v1/chat/completions", json=body)
+            monkeypatch.undo()
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["code"] == "internal_error" and "0x7f3a" not in err["message"], r.text
+        assert "0x7f3a" in caplog.text, "the log keeps what happened"
+        assert client.post(srv.url + "/v1/chat/completions", json=body).status_code == 200
+    assert len(ports) == 2 and ports[0] == ports[1], "the second request went over the same connection"
+
+
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_full_queue_gets_503_with_retry_after(served, max_batch):
     """``max_batch`` questions are answered at once (one at a time, or two in the batch), one
@@ -661,22 +686,52 @@ def test_healthz_says_degraded_while_every_slot_is_stalled_and_recovers(served):
         srv.stop()
 
 
-def test_a_stop_does_not_wait_for_a_wedged_answer(served):
+def test_a_stalled_answer_is_failed_and_its_slot_freed_while_the_engine_is_still_held(served):
+    """The batch's watchdog (stall limit lowered to 0.5 s here; 120 s by default): an answer
+    that cannot move because the engine is held gets a 503 with code ``stalled`` and a
+    Retry-After, and its answering place is free again before the engine is; afterwards the
+    same question answers as usual."""
+    srv, service, rag = served
+    watchdog = rag.pc.scheduler.watchdog
+    old, watchdog.stall_s = watchdog.stall_s, 0.5
+    stalled = service.counts["stalled"]
+    try:
+        with rag.pc.exclusive():
+            r = chat(srv.url, QUESTIONS[0])
+            assert r.status_code == 503 and r.json()["error"]["code"] == "stalled", r.text
+            assert "made no progress" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) >= 1
+            wait_until(lambda: service.running is None, "the stalled answer kept its place")
+            assert service.counts["stalled"] == stalled + 1
+    finally:
+        watchdog.stall_s = old
+    assert chat(srv.url, QUESTIONS[0]).status_code == 200
+
+
+def test_a_stop_does_not_wait_for_a_wedged_answer_and_says_so(served):
     """A stop (what SIGTERM does to uvicorn) while an answer cannot finish (the engine is held):
-    the server waits ``shutdown_timeout`` for it, then cancels it and stops, instead of waiting
-    "for background tasks to complete" for ever."""
+    the server waits for it almost ``shutdown_timeout``, then ends it with an ``error`` event
+    (code ``shutting_down``) that its client reads, closes the stream cleanly and stops,
+    instead of waiting "for background tasks to complete" for ever."""
     from pcache_rag.serve import AnswerService, create_app
 
     _srv, _service, rag = served
     srv = Server(create_app(AnswerService(rag, max_queue=4, max_new_tokens=8)), shutdown_timeout=1.0)
     body = {"model": "pcache-rag", "messages": [{"role": "user", "content": QUESTIONS[0]}], "stream": True}
+    got: list = []
     with rag.pc.exclusive():  # the answer below is wedged until this block ends
-        client = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/chat/completions", json=body,
-                                                            timeout=120), daemon=True)
+        def read() -> None:
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                got.extend(line for line in r.iter_lines() if line.startswith("data:"))
+
+        client = threading.Thread(target=read, daemon=True)
         client.start()
         wait_until(lambda: srv.server.server_state.tasks, "the request never reached the server")
         srv.server.should_exit = True
         wait_until(lambda: not srv.thread.is_alive(), "the server waited for the wedged answer")
+        client.join(30)
+    errors = [json.loads(line[5:])["error"] for line in got if '"error"' in line]
+    assert errors and errors[0]["code"] == "shutting_down", got
+    assert got[-1].strip() == "data: [DONE]", "the stream ended cleanly"
 
 
 def test_serve_command_answers_over_http(tmp_path, smol_dir):

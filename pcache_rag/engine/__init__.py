@@ -17,7 +17,8 @@ from .types import (
     GenerationOutput,
     PrefillResult,
     SchemaReport,
+    StalledError,
 )
 
 __all__ = ["PromptCache", "Parts", "Generation", "SamplingParams", "GenerationOutput", "PrefillResult", "SchemaReport",
-           "ContextOverflowError", "Encoding", "FinishReason", "ENCODINGS", "DEFAULT_ENCODING"]
+           "ContextOverflowError", "StalledError", "Encoding", "FinishReason", "ENCODINGS", "DEFAULT_ENCODING"]

@@ -18,6 +18,7 @@ from .decode import Generation, SamplingParams
 from .scheduler import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler, parts_request, run_batch,
                         stream_request)
 from .types import GenerationOutput
+from .watchdog import DEFAULT_STALL_S
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,13 @@ class Dispatcher:
     # ------------------------------------------------------------------ batching
 
     def start_batching(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                       kv_budget: int | None = None) -> Scheduler:
+                       kv_budget: int | None = None, stall_s: float | None = DEFAULT_STALL_S) -> Scheduler:
         """Serve every stream from one continuous batch (see :meth:`PromptCache.start_batching`)."""
         if self.scheduler is not None:
             raise RuntimeError("batching is already on: stop_batching() first")
         if self.core.batch_refusal:
             log.warning("batching is off: %s", self.core.batch_refusal)
-        self.scheduler = Scheduler(self.core, max_batch, prefill_tokens, kv_budget)
+        self.scheduler = Scheduler(self.core, max_batch, prefill_tokens, kv_budget, stall_s)
         self.scheduler.start()
         return self.scheduler
 

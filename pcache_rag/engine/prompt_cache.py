@@ -40,6 +40,7 @@ from .decode import Generation, SamplingParams
 from .dispatch import Dispatcher
 from .encoder import Encoder
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS, Request, Scheduler
+from .watchdog import DEFAULT_STALL_S
 from .schemas import SchemaRegistry
 from .types import (
     DEFAULT_ENCODING,
@@ -288,13 +289,15 @@ class PromptCache:
         return self.core.batch_refusal
 
     def start_batching(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                       kv_budget: int | None = None) -> Scheduler:
+                       kv_budget: int | None = None, stall_s: float | None = DEFAULT_STALL_S) -> Scheduler:
         """Serve every stream of this engine from one continuous batch (:mod:`.scheduler`):
         requests join and leave at token boundaries, up to ``max_batch`` decode together, new
         prompts are prefilled between decode steps ``prefill_tokens`` at a time, and
         ``kv_budget`` bounds their live KV rows. A model that cannot batch (:attr:`batch_refusal`)
-        keeps decoding one stream at a time, and its outputs say why (``unbatched``)."""
-        return self.dispatch.start_batching(max_batch, prefill_tokens, kv_budget)
+        keeps decoding one stream at a time, and its outputs say why (``unbatched``). A batch
+        that makes no step for ``stall_s`` seconds fails the requests waiting on it with
+        :class:`~.types.StalledError` (None: never; :mod:`.watchdog`)."""
+        return self.dispatch.start_batching(max_batch, prefill_tokens, kv_budget, stall_s)
 
     def batch_stats(self) -> dict | None:
         """The batch's statistics (None with batching off)."""

@@ -46,6 +46,7 @@ from .decode import Decoding, SamplingParams
 from .core import EngineCore
 from .threads import release_pool
 from .types import ContextOverflowError, GenerationOutput, PrefillResult
+from .watchdog import DEFAULT_STALL_S, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class Request:
     t0: float | None = None  # when its wait began; None: when its prefill begins
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)  # for the watchdog (:mod:`.watchdog`)
     # set by the scheduler
     kv: RequestKV | None = None
     seq: Decoding | None = None
@@ -134,13 +136,16 @@ class Scheduler:
 
     ``max_batch``: the most requests decoding together. ``prefill_tokens``: new tokens
     prefilled per step (a prompt with more is chunked). ``kv_budget``: live KV rows (default:
-    4 GiB of states in the model's dtype, and at least one full context).
+    4 GiB of states in the model's dtype, and at least one full context). ``stall_s``: with the
+    batch in its own thread, requests that waited that long on a batch that made no step end
+    with :class:`~.types.StalledError` (:mod:`.watchdog`; None: never).
     :meth:`start` runs it in a thread of its own; :meth:`run_until_idle` drives it in the
     caller's. Each step holds the engine's lock, and lets other callers of the engine in
     between steps."""
 
     def __init__(self, core: EngineCore, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, kv_budget: int | None = None) -> None:
+                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, kv_budget: int | None = None,
+                 stall_s: float | None = DEFAULT_STALL_S) -> None:
         if max_batch < 1 or prefill_tokens < 1:
             raise ValueError("max_batch and prefill_tokens must be at least 1")
         self.core = core
@@ -160,6 +165,8 @@ class Scheduler:
         self.counts = {"steps": 0, "decoded": 0, "prefills": 0, "chunks": 0, "finished": 0, "cancelled": 0,
                        "failed": 0, "max_batch_seen": 0}
         self.busy_s = 0.0  # seconds spent in steps
+        self.stepped = time.monotonic()  # when the last step ended (or the batch went idle)
+        self.watchdog = Watchdog(self, stall_s) if stall_s is not None else None
 
     # ------------------------------------------------------------------ requests
 
@@ -174,31 +181,37 @@ class Scheduler:
             self._cond.notify()
         return req
 
+    def requests(self) -> list[Request]:
+        """Every request submitted and not yet finished (a copy: waiting, prefilling, decoding)."""
+        with self._cond:
+            return list(self._pending) + list(self._filling) + list(self._live)
+
     @property
     def live_rows(self) -> int:
         return sum(r.rows for r in self._live) + sum(r.rows for r in self._filling)
 
     def stats(self) -> dict:
-        """Live and waiting requests, rows held against the budget, and the counters (decode
-        steps, sequence-steps decoded, prefills, chunks; ``mean_batch`` = decoded / steps;
-        ``busy_s``: seconds spent in steps)."""
+        """Live and waiting requests, rows held against the budget, the counters (steps, sequence-steps
+        decoded, prefills, chunks, requests stalled); ``mean_batch`` = decoded / steps; ``busy_s``: in steps."""
         steps = self.counts["steps"]
         return {"live": len(self._live) + len(self._filling), "waiting": len(self._pending),
                 "live_rows": self.live_rows, "kv_budget": self.kv_budget, "max_batch": self.max_batch,
                 "prefill_tokens": self.prefill_tokens, **self.counts, "busy_s": round(self.busy_s, 3),
-                "mean_batch": round(self.counts["decoded"] / steps, 2) if steps else 0.0}
+                "mean_batch": round(self.counts["decoded"] / steps, 2) if steps else 0.0,
+                "stalled": self.watchdog.failed if self.watchdog else 0}
 
     # ------------------------------------------------------------------ running
 
     def start(self) -> None:
-        """Run in a daemon thread until :meth:`stop`. The calling thread (which loaded the
-        model, mostly) hands back its OpenMP pool, so the batch's thread keeps the only one
-        (:mod:`.threads`)."""
+        """Run in a daemon thread (and the watchdog in another) until :meth:`stop`. The calling thread
+        hands back its OpenMP pool, so the batch's thread keeps the only one (:mod:`.threads`)."""
         release_pool()
         if self._thread is None or not self._thread.is_alive():
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="pcache-batch", daemon=True)
             self._thread.start()
+            if self.watchdog is not None:
+                self.watchdog.start()
 
     @property
     def alive(self) -> bool:
@@ -210,6 +223,8 @@ class Scheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -229,6 +244,7 @@ class Scheduler:
             with self._cond:
                 while not self._busy() and not self._stopping:
                     self._cond.wait()
+                    self.stepped = time.monotonic()  # idle is not stalled
                 if self._stopping:
                     return
             try:
@@ -258,6 +274,7 @@ class Scheduler:
             self._admit()
             self._forward()
             self.busy_s += time.perf_counter() - t0
+        self.stepped = time.monotonic()
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -363,20 +380,7 @@ class Scheduler:
 
     def _fused(self, reqs: list[Request]) -> None:
         """One token of each running request through the engine's fused decode step."""
-        for r in reqs:
-            assert r.kv is not None and r.seq is not None
-            if r.rows_view is None:
-                r.rows_view = r.kv.buffer_layers()
-            if r.rows_view[0].length != r.kv.length:  # the batch moved it on
-                for layer in r.rows_view:
-                    layer.set_length(r.kv.length)
-        step = self.core.decoder.step
-        assert step is not None
-        if len(reqs) == 1:
-            logits = step(reqs[0].seq.last, reqs[0].next_pos, reqs[0].rows_view)[None]  # type: ignore[union-attr]
-        else:
-            logits = step.many([r.seq.last for r in reqs], [r.next_pos for r in reqs],  # type: ignore[union-attr]
-                               [r.rows_view for r in reqs])
+        logits = fused_forward(self.core, reqs)  # (B, vocab)
         self.counts["steps"] += 1
         self.counts["decoded"] += len(reqs)
         self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], len(reqs))
@@ -426,6 +430,25 @@ class Scheduler:
             self.counts["finished"] += 1
             req.out.put(req.seq.output(*req.counts, decode_batch=req.batch))
         return True
+
+
+def fused_forward(core: EngineCore, reqs: list[Request]) -> torch.Tensor:
+    """One token of each of ``reqs`` (each decoding, with its rows) through the engine's fused
+    decode step: its one-token form for a request alone, else its many-sequence form; the
+    logits (B, vocab). Each request's rows move on by one token."""
+    for r in reqs:
+        assert r.kv is not None and r.seq is not None
+        if r.rows_view is None:
+            r.rows_view = r.kv.buffer_layers()
+        if r.rows_view[0].length != r.kv.length:  # the batch moved it on
+            for layer in r.rows_view:
+                layer.set_length(r.kv.length)
+    step = core.decoder.step
+    assert step is not None
+    if len(reqs) == 1:
+        return step(reqs[0].seq.last, reqs[0].next_pos, reqs[0].rows_view)[None]  # type: ignore[union-attr]
+    return step.many([r.seq.last for r in reqs], [r.next_pos for r in reqs],  # type: ignore[union-attr]
+                     [r.rows_view for r in reqs])
 
 
 def ragged_forward(core: EngineCore, seqs: list, decoding: int) -> torch.Tensor:

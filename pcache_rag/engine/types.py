@@ -25,6 +25,11 @@ class ContextOverflowError(ValueError):
     """A prompt needs more positions than the model takes (not a PML error: no PML may be involved)."""
 
 
+class StalledError(RuntimeError):
+    """A request in the continuous batch was failed by its watchdog: the batch made no step for
+    longer than its stall timeout (:mod:`.watchdog`), so its rows and its caller were freed."""
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """The outcome of prefilling one prompt against cached states."""

@@ -7,13 +7,14 @@ connection cap and a header timeout). Needs the ``serve`` extra (FastAPI, uvicor
 sse-starlette, python-multipart).
 """
 
+import asyncio
 import math
 
 from .app import create_app
 from .errors import Busy, RequestError
 from .service import AnswerService
 
-__all__ = ["AnswerService", "Busy", "RequestError", "create_app", "serve", "server_config"]
+__all__ = ["AnswerService", "Busy", "RequestError", "create_app", "graceful_server", "serve", "server_config"]
 
 
 def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connections: int | None = None,
@@ -36,16 +37,39 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connection
 def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, max_new_tokens: int = 128,
           max_batch: int = 16, prefill_tokens: int = 128, max_upload_mb: float = 20.0, log_level: str = "info",
           allowed_hosts=None, api_key: str | None = None, max_connections: int | None = None,
-          header_timeout: float = 10.0, shutdown_timeout: float = 10.0) -> None:
+          header_timeout: float = 10.0, shutdown_timeout: float = 10.0, stall_timeout: float | None = 120.0) -> None:
     """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted. ``allowed_hosts``
-    defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`)."""
-    import uvicorn
-
+    defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`); ``stall_timeout``
+    as :class:`AnswerService` takes it."""
     from .guard import allowed_hosts_for
 
     app = create_app(AnswerService(rag, max_queue=max_queue, max_new_tokens=max_new_tokens, max_batch=max_batch,
-                                   prefill_tokens=prefill_tokens),
+                                   prefill_tokens=prefill_tokens, stall_timeout=stall_timeout),
                      max_upload_mb=max_upload_mb, api_key=api_key,
                      allowed_hosts=allowed_hosts if allowed_hosts is not None else allowed_hosts_for(host))
-    uvicorn.Server(server_config(app, host, port, max_connections, header_timeout, log_level,
-                                 shutdown_timeout)).run()
+    graceful_server(server_config(app, host, port, max_connections, header_timeout, log_level,
+                                  shutdown_timeout)).run()
+
+
+def graceful_server(config):
+    """A ``uvicorn.Server`` for ``config`` (:func:`server_config`) whose stop ends what is in
+    flight with a clear error: answers still running half a second before the shutdown timeout
+    get an ``error`` (503, code ``shutting_down``) in their stream, or as their response, and
+    their connections close cleanly; uvicorn cancels whatever is left at the timeout."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            service = getattr(getattr(self.config.app, "state", None), "service", None)
+            grace = max(0.5, (self.config.timeout_graceful_shutdown or 1) - 0.5)
+            timer = None
+            if service is not None:
+                timer = asyncio.get_running_loop().call_later(grace, service.fail_in_flight,
+                                                              "the server is shutting down: this answer was stopped")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return GracefulServer(config)

@@ -24,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..rag.chunking import SUPPORTED
 from .guard import LOOPBACK_NAMES, Guard
-from .http import body_json, error, events_of, first_event
+from .http import CatchAll, body_json, error, events_of, first_event
 from .openai_api import router as openai_router
 from .errors import Busy, RequestError
-from .service import AnswerService
+from .service import AnswerService, service_health
 
 STATIC = Path(__file__).parent / "static"
 _SAFE = re.compile(r"[^A-Za-z0-9._ -]+")
@@ -69,6 +69,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
     request_bytes = int((max_request_mb if max_request_mb is not None else 8 * max_upload_mb) * 1024 * 1024)
     app.add_middleware(Guard, allowed_hosts=tuple(allowed_hosts), api_key=api_key, json_limit=int(max_json_kb) * 1024,
                        upload_limit=request_bytes + (64 << 10))  # room for the form's own framing
+    app.add_middleware(CatchAll)  # added last: outermost of ours, so nothing unanswered reaches uvicorn
 
     @app.exception_handler(RequestError)
     async def _request_error(_req, e: RequestError):
@@ -98,8 +99,8 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
 
     @app.get("/healthz")
     async def health():
-        """200 ``{"ok": true}``; 503 with the reason while the service is stalled (AnswerService.health)."""
-        ok, why = service.health()
+        """200 ``{"ok": true}``; 503 with the reason while the service is stalled (service_health)."""
+        ok, why = service_health(service)
         return {"ok": True} if ok else JSONResponse({"ok": False, "reason": why}, status_code=503)
 
     @app.get("/api/status")

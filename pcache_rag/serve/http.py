@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .errors import RequestError
 from .service import Job
+
+log = logging.getLogger(__name__)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,
@@ -20,6 +24,38 @@ def error(status: int, message: str, kind: str = "invalid_request_error", retry_
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+class CatchAll:
+    """ASGI middleware: an exception no handler answered becomes our own 500 (code
+    ``internal_error``, one line naming the request's id; the exception's text stays in the
+    log), and never reaches uvicorn. Uvicorn closes the connection of an app that raised, even
+    after a complete response, so a keep-alive client's next request on it was reset. A
+    response already started when the exception came is left unfinished: uvicorn then closes
+    that connection, which is the truthful end of a half-sent answer."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:  # noqa: BLE001 - the point: no exception reaches the server
+            rid = uuid.uuid4().hex[:12]
+            log.exception("%s %s failed (request %s)", scope.get("method"), scope.get("path"), rid)
+            if not started:
+                await error(500, f"the request failed inside the server (request {rid}; its log has why)",
+                            "server_error", code="internal_error")(scope, receive, send)
 
 
 async def body_json(request: Request) -> dict:

@@ -272,7 +272,8 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
             elif kind == "done":
                 done = payload
             elif kind == "error":
-                raise RequestError(payload["message"], payload.get("status", 500), code=payload.get("code"))
+                raise RequestError(payload["message"], payload.get("status", 500), payload.get("retry_after"),
+                                   code=payload.get("code"))
         if done is None:
             raise RequestError("the answer was interrupted", 500)
         return {"id": cid, "object": obj, "created": created, "model": model,

@@ -28,8 +28,9 @@ from typing import Any
 from pathlib import Path
 
 
-from ..engine import ContextOverflowError
+from ..engine import ContextOverflowError, StalledError
 from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
+from ..engine.watchdog import DEFAULT_STALL_S
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
 from .errors import Busy, RequestError, check_question
@@ -83,11 +84,14 @@ class AnswerService:
     together (1: one at a time) and ``prefill_tokens`` how many prompt tokens a batch step
     computes besides decoding (longer prompts are prefilled in chunks); ``max_new_tokens``
     is the default answer length;
-    ``upload_dir`` is where uploaded files are kept (default ``<index>/uploads``).
+    ``upload_dir`` is where uploaded files are kept (default ``<index>/uploads``);
+    ``stall_timeout``: answers waiting that many seconds on a batch that makes no step are
+    failed (503, code ``stalled``) and their places freed (:mod:`pcache_rag.engine.watchdog`).
     """
 
     def __init__(self, rag, max_queue: int = 64, max_new_tokens: int = 128, upload_dir: str | Path | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS):
+                 max_batch: int = DEFAULT_MAX_BATCH, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                 stall_timeout: float | None = DEFAULT_STALL_S):
         if max_queue < 1 or max_batch < 1:
             raise ValueError("max_queue and max_batch must be at least 1")
         self.rag = rag
@@ -96,6 +100,7 @@ class AnswerService:
             log.warning("answers are decoded one at a time: %s", refusal)
         self.max_batch = 1 if refusal else int(max_batch)
         self.prefill_tokens = int(prefill_tokens)
+        self.stall_timeout = stall_timeout
         self._slots = threading.Semaphore(self.max_batch)  # answers in flight
         self._own_batch = False  # whether this service started the engine's batch
         self.max_new_tokens = int(max_new_tokens)
@@ -104,8 +109,8 @@ class AnswerService:
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._worker: threading.Thread | None = None
-        self._running: set[str] = set()  # ids of the jobs being answered
-        self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0}
+        self._running: dict[str, Job] = {}  # the jobs being answered, by id
+        self.counts = {"answered": 0, "cancelled": 0, "rejected": 0, "failed": 0, "stalled": 0}
         self._job_s: list[float] = []  # recent service times, for Retry-After
         #: when an answer last moved (a token, an end): :meth:`health` calls a long silence with
         #: every slot held a stall
@@ -117,12 +122,13 @@ class AnswerService:
     @property
     def running(self) -> str | None:
         """The id of a job being answered (any of them, when several are), or None."""
-        return next(iter(tuple(self._running)), None)  # a copy: stream threads change the set
+        return next(iter(tuple(self._running)), None)  # a copy: stream threads change it
 
     def start(self) -> None:
         release_pool()  # the answers' threads keep the only OpenMP pool (pcache_rag.engine.threads)
         if self.max_batch > 1 and self.rag.pc.batch_stats() is None:
-            self.rag.pc.start_batching(max_batch=self.max_batch, prefill_tokens=self.prefill_tokens)
+            self.rag.pc.start_batching(max_batch=self.max_batch, prefill_tokens=self.prefill_tokens,
+                                       stall_s=self.stall_timeout)
             self._own_batch = True
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, name="pcache-answer", daemon=True)
@@ -153,6 +159,19 @@ class AnswerService:
             self.rag.pc.stop_batching()
             self._own_batch = False
         self.uploads.join(timeout)
+
+    def fail_in_flight(self, reason: str) -> int:
+        """End every answer in flight with ``reason`` (503, code ``shutting_down``): a stop that
+        cannot wait for them any longer says so to their clients (:func:`~pcache_rag.serve.graceful_server`).
+        Their streams leave the batch at their next token; how many were ended."""
+        jobs = list(self._running.copy().values())  # copied at once: stream threads change it
+        for job in jobs:
+            job.emit("error", {"status": 503, "code": "shutting_down", "message": reason})
+            job.emit(None)
+            job.cancel()
+        if jobs:
+            log.warning("%d answer(s) in flight ended: %s", len(jobs), reason)
+        return len(jobs)
 
     # ------------------------------------------------------------------ questions
 
@@ -224,7 +243,7 @@ class AnswerService:
     def _start(self, job: Job) -> None:
         """Open ``job`` (retrieval, its prompt) and stream it: in this thread when answers go one
         at a time, else in a thread of its own while this one takes the next."""
-        self._running.add(job.id)
+        self._running[job.id] = job
         t0 = time.perf_counter()
         opened = self._guarded(job, self._open, job)
         if self.max_batch > 1:  # the batch's thread decodes: this one waits for the next job
@@ -247,6 +266,11 @@ class AnswerService:
     def _guarded(self, job: Job, fn, *args):
         try:
             return fn(*args)
+        except StalledError as e:  # the batch's watchdog freed it (pcache_rag.engine.watchdog)
+            self.counts["stalled"] += 1
+            log.warning("request %s: %s", job.id, e)
+            job.emit("error", {"status": 503, "code": "stalled", "message": str(e), "retry_after": 5})
+            return None
         except Exception:  # noqa: BLE001 - one bad request never stops the service
             self.counts["failed"] += 1
             log.exception("answering request %s (%r) failed", job.id, job.question[:80])
@@ -258,7 +282,7 @@ class AnswerService:
 
     def _done(self, job: Job, t0: float) -> None:
         self._progress = time.monotonic()
-        self._running.discard(job.id)
+        self._running.pop(job.id, None)
         self._job_s.append(time.perf_counter() - t0)
         del self._job_s[:-64]
         job.emit(None)
@@ -347,20 +371,6 @@ class AnswerService:
         """What the page's cache panel shows (:func:`service_stats`)."""
         return service_stats(self)
 
-    def health(self, stall_s: float | None = None) -> tuple[bool, str]:
-        """``(ok, why not)``: degraded while every answering slot is held and no answer has made
-        progress for ``stall_s`` seconds (default :attr:`stall_s`), or when the batch's thread
-        has died; it recovers on its own as soon as an answer moves again."""
-        stall = self.stall_s if stall_s is None else stall_s
-        sched = self.rag.pc.scheduler
-        if self._own_batch and sched is not None and not sched.alive:
-            return False, "the batch scheduler's thread has stopped"
-        idle = time.monotonic() - self._progress
-        if len(self._running) >= self.max_batch and idle > stall:
-            return False, (f"all {self.max_batch} answering slots are held and no answer has moved for "
-                           f"{idle:.0f} s")
-        return True, ""
-
 
 def service_stats(service: AnswerService) -> dict:
     """What the page's cache panel shows: chunks, documents, bytes/hits/misses per tier,
@@ -393,6 +403,22 @@ def service_stats(service: AnswerService) -> dict:
         **service.counts,
         "ingest": service.uploads.status(),
     }
+
+
+
+def service_health(service: AnswerService, stall_s: float | None = None) -> tuple[bool, str]:
+    """``(ok, why not)``: degraded while every answering slot is held and no answer has made
+    progress for ``stall_s`` seconds (default ``service.stall_s``), or when the batch's thread
+    has died; it recovers on its own as soon as an answer moves again."""
+    stall = service.stall_s if stall_s is None else stall_s
+    sched = service.rag.pc.scheduler
+    if service._own_batch and sched is not None and not sched.alive:
+        return False, "the batch scheduler's thread has stopped"
+    idle = time.monotonic() - service._progress
+    if len(service._running) >= service.max_batch and idle > stall:
+        return False, (f"all {service.max_batch} answering slots are held and no answer has moved for "
+                       f"{idle:.0f} s")
+    return True, ""
 
 
 def _indexed(rag, ingesting: bool) -> int:
