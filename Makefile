@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # optional embedded models beyond the default: `make setup MODELS=gemma3` (--model gemma3-270m)
 MODELS ?=
 
-.PHONY: setup demo serve prefix test lint test-slow bench clean
+.PHONY: setup demo serve prefix test lint test-slow test-faults bench clean
 
 setup: $(VENV)/.installed $(if $(filter gemma3,$(MODELS)),$(VENV)/.model-gemma3)
 
@@ -54,6 +54,12 @@ lint: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+# Fault injection with real processes (tests/test_faults.py, all of it): kill -9 mid-ingest and
+# mid-learning, damaged state files, redis-server killed mid-answer, 16 clients gone at once,
+# SIGTERM mid-answer, hostile uploads. About 5 minutes on two cores.
+test-faults: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -s -m "not slow" tests/test_faults.py
 
 bench: setup
 	$(BIN)/pcache-rag bench ttft

@@ -82,6 +82,8 @@ MAX_DOCX_XML_BYTES = 64 << 20
 #: a .docx part larger than BOMB_MIN_BYTES that compressed better than this ratio is refused
 BOMB_RATIO = 200
 BOMB_MIN_BYTES = 4 << 20
+#: an internal DTD declaring an entity (see :func:`read_html`)
+_ENTITY_DECL = re.compile(r"<!DOCTYPE[^>\[]*\[[^\]]*<!ENTITY", re.IGNORECASE)
 #: formats whose parsers run in a child process with a memory limit (see :mod:`.extract`)
 ISOLATED_SUFFIXES = (".pdf", ".docx", ".html", ".htm", ".xhtml")
 
@@ -164,9 +166,13 @@ def read_pdf(data: bytes) -> Document:
 
 def read_html(doc: Document) -> Document:
     """The visible text of an HTML page (beautifulsoup4): scripts, styles and markup dropped,
-    block elements on their own lines."""
+    block elements on their own lines. A page whose DOCTYPE declares entities is refused by
+    name: no HTML needs them, and the classic "billion laughs" file is built of them (the
+    parser would not expand them; it would index the declarations' debris as text)."""
     from bs4 import BeautifulSoup
 
+    if _ENTITY_DECL.search(doc.text[:1 << 20]):
+        raise SkipFile("its DOCTYPE declares XML entities (<!ENTITY ...>), as entity-expansion bombs do: not read")
     soup = BeautifulSoup(doc.text, "html.parser")
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()

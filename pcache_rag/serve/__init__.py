@@ -55,13 +55,18 @@ def graceful_server(config):
     """A ``uvicorn.Server`` for ``config`` (:func:`server_config`) whose stop ends what is in
     flight with a clear error: answers still running half a second before the shutdown timeout
     get an ``error`` (503, code ``shutting_down``) in their stream, or as their response, and
-    their connections close cleanly; uvicorn cancels whatever is left at the timeout."""
+    their connections close cleanly; uvicorn cancels whatever is left at the timeout. The
+    service's streams wait that long before sse-starlette ends them on the signal
+    (:attr:`AnswerService.shutdown_grace_s`), so the error reaches their clients."""
     import uvicorn
+
+    service = getattr(getattr(config.app, "state", None), "service", None)
+    grace = max(0.5, (config.timeout_graceful_shutdown or 1) - 0.5)
+    if service is not None:
+        service.shutdown_grace_s = grace
 
     class GracefulServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
-            service = getattr(getattr(self.config.app, "state", None), "service", None)
-            grace = max(0.5, (self.config.timeout_graceful_shutdown or 1) - 0.5)
             timer = None
             if service is not None:
                 timer = asyncio.get_running_loop().call_later(grace, service.fail_in_flight,

@@ -184,7 +184,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
             async for kind, payload in events_of(job):
                 yield {"event": kind, "data": json.dumps(payload)}
 
-        return EventSourceResponse(stream(), ping=15)
+        return EventSourceResponse(stream(), ping=15, shutdown_grace_period=service.shutdown_grace_s + 1.0)
 
     app.include_router(openai_router)
     return app

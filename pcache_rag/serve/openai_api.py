@@ -305,7 +305,8 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
                                                      "param": None, "code": payload.get("code")}})}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(stream(), ping=15)
+    return EventSourceResponse(stream(), ping=15,
+                               shutdown_grace_period=request.app.state.service.shutdown_grace_s + 1.0)
 
 
 @router.post("/chat/completions")

@@ -116,6 +116,10 @@ class AnswerService:
         #: every slot held a stall
         self._progress = time.monotonic()
         self.stall_s = 60.0
+        #: on a stop, how long answers in flight may go on before :meth:`fail_in_flight` ends them (set
+        #: from the shutdown timeout by :func:`~pcache_rag.serve.graceful_server`); streams are not
+        #: cut before it
+        self.shutdown_grace_s = 9.5
 
     # ------------------------------------------------------------------ lifecycle
 
