@@ -239,6 +239,25 @@ class KnownTexts:
         self._dirty = False
 
 
+class KnownUnion:
+    """Several :class:`KnownTexts` read as one (the shared index's texts and one tenant's
+    learned ones): ``find`` merges their spans, leftmost then longest, without overlaps."""
+
+    def __init__(self, *sets: KnownTexts) -> None:
+        self.sets = sets
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sets)
+
+    def find(self, text: str, misses: list[int] | None = None) -> list[tuple[int, int]]:
+        hits = [h for s in self.sets if len(s) for h in s.find(text, misses)]
+        spans: list[tuple[int, int]] = []
+        for start, end in sorted(hits, key=lambda h: (h[0], -h[1])):
+            if not spans or start >= spans[-1][1]:
+                spans.append((start, end))
+        return spans
+
+
 def blocks(text: str) -> list[tuple[int, int]]:
     """``(start, end)`` of ``text``'s blocks: the runs between blank lines (:data:`BLOCK_BREAK`),
     each without the whitespace around it; blank runs give none."""
@@ -315,7 +334,7 @@ class Uncached:
         return out
 
 
-def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, trail: bool,
+def document_spans(text: str, known: KnownTexts | KnownUnion, *, learn: bool, lead: bool, trail: bool,
                    uncached: Uncached | None = None, learn_limit: int | None = None) -> list[tuple[int, int]]:
     """The documents in one piece of a message: known texts found anywhere in it
     (:meth:`KnownTexts.find`), and - with ``learn`` - its other pieces (:func:`pieces`) of at
@@ -359,4 +378,4 @@ def document_spans(text: str, known: KnownTexts, *, learn: bool, lead: bool, tra
 
 
 __all__ = ["ANCHOR_CHARS", "BLOCK_BREAK", "KNOWN_JOURNAL", "LABEL", "LONG_CHARS", "MAX_LEARNED_BLOCKS", "MIN_CHARS",
-           "QUESTION_LABELS", "KnownTexts", "Uncached", "blocks", "document_spans", "pieces"]
+           "QUESTION_LABELS", "KnownTexts", "KnownUnion", "Uncached", "blocks", "document_spans", "pieces"]

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..discovery import MAX_LEARNED_BLOCKS, MIN_CHARS, Uncached, document_spans
+from ..discovery import MAX_LEARNED_BLOCKS, MIN_CHARS, KnownUnion, Uncached, document_spans
 from ..engine import ContextOverflowError, GenerationOutput, Parts, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
@@ -96,6 +96,7 @@ class _Plan:
     uncached: list[str]
     #: documents seen for the first time (their stored ids), computed in this prompt and encoded after it
     deferred: list[list[int]] = field(default_factory=list)
+    tenant: str = ""  # whose learned states the prompt reads and adds to
 
 
 class Assembler(DocumentStates):
@@ -114,15 +115,16 @@ class Assembler(DocumentStates):
     # ------------------------------------------------------------------ prompts
 
     def message_segments(self, messages: Sequence[tuple[str, str]], discover: bool = True,
-                         learn: bool = True) -> Segments:
+                         learn: bool = True, tenant: str = "") -> Segments:
         """Chat messages ``(role, content)`` through the model's own chat template, ending with
         the generation prompt. Contents are text; marked documents become documents, and so do
         (unless ``discover`` is False) known documents found in any message and - with ``learn`` -
         the system and user messages' other blocks that can be documents
         (:func:`~pcache_rag.discovery.document_spans`). Only the template's markup may produce
-        control tokens. The result's ``uncached`` says why candidate text was computed."""
+        control tokens. The result's ``uncached`` says why candidate text was computed. What the
+        prompt teaches (its prefix, documents not in the shared store) is kept for ``tenant`` only."""
         chat = self.chat
-        segs = Segments()
+        segs = Segments(tenant=tenant)
         why = Uncached()
         for i, (role, content) in enumerate(messages):
             if role not in ROLES:
@@ -130,7 +132,7 @@ class Assembler(DocumentStates):
             segs.append(Segment(chat.prefix[role], "markup"))
             final_user = i == len(messages) - 1 and role == "user"
             segs.extend(self._content(content, discover, learn and role != "assistant", final_user,
-                                      why if role != "assistant" else None))
+                                      why if role != "assistant" else None, tenant))
             segs.append(Segment(chat.suffix[role], "markup"))
             if i == 0 and role == "system":
                 segs.append(Segment("", "cut"))
@@ -138,25 +140,27 @@ class Assembler(DocumentStates):
         segs.uncached = why.reasons()
         return segs
 
-    def text_segments(self, prompt: str, discover: bool = True, learn: bool = True) -> Segments:
+    def text_segments(self, prompt: str, discover: bool = True, learn: bool = True, tenant: str = "") -> Segments:
         """A raw text prompt (no chat template), read as one final user message would be by
         :meth:`message_segments`."""
         why = Uncached()
-        segs = Segments(self._content(prompt, discover, learn, True, why))
+        segs = Segments(self._content(prompt, discover, learn, True, why, tenant), tenant=tenant)
         segs.uncached = why.reasons()
         return segs
 
     def _content(self, content: str, discover: bool, learn: bool, final_user: bool,
-                 why: Uncached | None) -> list[Segment]:
+                 why: Uncached | None, tenant: str = "") -> list[Segment]:
         """One message's content as segments: marked documents, then the documents found in its
-        plain text (its first block and, in the final user message, its last are never learned)."""
+        plain text (its first block and, in the final user message, its last are never learned):
+        the shared known texts and those learned for ``tenant``."""
         pieces = split_marked(content)
+        known = KnownUnion(self.known_texts, self.learned.known(tenant))
         out: list[Segment] = []
         for j, (text, marked) in enumerate(pieces):
             if marked or not discover:
                 out.append(Segment(text, "document" if marked else "text"))
                 continue
-            spans = document_spans(text, self.known_texts, learn=learn, lead=j == 0,
+            spans = document_spans(text, known, learn=learn, lead=j == 0,
                                    trail=final_user and j == len(pieces) - 1, uncached=why,
                                    learn_limit=self.max_learned_blocks)
             at = 0
@@ -173,6 +177,7 @@ class Assembler(DocumentStates):
         """Token ids and states for ``segments``: the prefix and the documents from the store
         (encoded now if missing), the rest as new tokens."""
         uncached = list(getattr(segments, "uncached", ()))
+        tenant = getattr(segments, "tenant", "")
         # 1. group: plain runs tokenized together; documents with the separator after them where
         # the prompt has it (else their states without it, and what follows is read as written)
         groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
@@ -206,7 +211,8 @@ class Assembler(DocumentStates):
                 stored = self.doc_ids(body[0])
                 read = stored if body[1] else self.doc_body(stored, body[0])
                 pieces.append(("document", read, stored if read == stored[: len(read)] else read))
-                self.known_texts.add(body[0], keep=True)  # encoded and kept now: found unmarked next time
+                # found unmarked in this tenant's next prompts (this process only: nothing is journalled)
+                self.learned.known(tenant).add(body[0])
             elif kind == "cut":
                 pieces.append(("cut", [], []))
             else:
@@ -247,36 +253,42 @@ class Assembler(DocumentStates):
         # 3. states
         parts: list[tuple[str, ModuleKV]] = []
         encoded = 0
-        if prefix:  # the RAG preamble itself, or another prefix: both cached by content
-            key = (self.base_key if prefix == self.base_ids
-                   else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix"))
-            kv = self.store.get(key)
+        if prefix:  # the RAG preamble (shared), or a prompt's own prefix (learned for its tenant): by content
+            shared = prefix == self.base_ids
+            key = self.base_key if shared else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix")
+            kv = self.store.get(key) if shared else self.learned.get(tenant, key)
             if kv is None:
                 kv = self.encoder.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
-                self.store.put(key, kv)
+                if shared:
+                    self.store.put(key, kv)
+                else:
+                    self.learned.put(tenant, key, kv)
                 encoded += len(prefix)
             parts.append(("prefix", kv))
         deferred: list[list[int]] = []
-        missing = [j for j, (_, stored) in enumerate(mid) if not self._stored(stored)] if self.defer_first_sight else []
+        missing = ([j for j, (_, stored) in enumerate(mid) if not self._stored(stored, tenant)]
+                   if self.defer_first_sight else [])
         if missing:  # from the first unseen document on, the prompt is computed in one forward
             deferred = [mid[j][1] for j in missing]
             tail = [t for ids, _ in mid[missing[0]:] for t in ids] + tail
             mid = mid[: missing[0]]
         pos = len(prefix)
         for j, (ids, stored) in enumerate(mid):
-            kv, new = self.states(stored)
+            kv, new = self.prompt_states(stored, tenant)
             kv = kv.head(len(ids))
             encoded += len(ids) if new else 0
             if pos != self.start:
-                kv, new = self.place(kv, pos)
+                kv, new = self.place(kv, pos, tenant)
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
             pos += len(ids)
-        return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred)
+        return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred, tenant)
 
-    def _stored(self, stored: list[int]) -> bool:
-        """Whether a document's states (at the canonical position) are in the store."""
-        return self.store.contains(self.key(stored))
+    def _stored(self, stored: list[int], tenant: str = "") -> bool:
+        """Whether a document's states (at the canonical position) are in the shared store or
+        among those learned for ``tenant``."""
+        key = self.key(stored)
+        return self.learned.contains(tenant, key) or self.store.contains(key)
 
     def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         t0 = time.perf_counter()
@@ -296,7 +308,7 @@ class Assembler(DocumentStates):
         item.total_s += prep
         cached = max(item.cached_tokens - plan.encoded, 0)
         # first sight: the answer is out; now the unseen documents are encoded and stored for the next prompt
-        encoded = plan.encoded + sum(len(ids) for ids in plan.deferred if self.states(ids)[1])
+        encoded = plan.encoded + sum(len(ids) for ids in plan.deferred if self.prompt_states(ids, plan.tenant)[1])
         yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, encoded,
                            plan.documents, plan.uncached)
 

@@ -92,9 +92,11 @@ class Segments(list):
     """A prompt as :class:`Segment` s, and ``uncached``: why text that could have been a
     document was computed (:meth:`pcache_rag.discovery.Uncached.reasons`; empty when nothing was)."""
 
-    def __init__(self, items=()) -> None:
+    def __init__(self, items=(), tenant: str = "") -> None:
         super().__init__(items)
         self.uncached: list[str] = []
+        #: whose prompt this is: what it teaches is kept for this tenant only (:mod:`pcache_rag.store.learned`)
+        self.tenant = tenant
 
 
 def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,

@@ -101,6 +101,9 @@ class DocumentStates:
         self.pc = pc
         # the engine's parts this class reads, handed over once: nothing here reaches through the engine
         self.store, self.known_texts, self.encoder = pc.store, pc.known_texts, pc.encoder
+        #: what prompts taught, per tenant (:mod:`pcache_rag.store.learned`); the shared ``store`` holds only
+        #: what was ingested or encoded on purpose (:meth:`ensure`)
+        self.learned = pc.learned
         self.safe, self.tokenizer, self.chat = pc.safe, pc.tokenizer, pc.chat
         self.fingerprint, self.encoding, self.max_positions = pc.fingerprint, pc.encoding, pc.max_positions
         self.store_dtype = pc.store_dtype
@@ -237,19 +240,37 @@ class DocumentStates:
         self.known_texts.add((unmark(t) for t in texts), keep=True)
         return keys
 
-    def place(self, kv: ModuleKV, pos: int) -> tuple[ModuleKV, bool]:
+    def place(self, kv: ModuleKV, pos: int, tenant: str | None = None) -> tuple[ModuleKV, bool]:
         """``kv`` moved to start at ``pos``: re-rotated (RoPE), as is (ALiBi), or - for learned
-        positions, which cannot move - encoded at that slot and cached. Returns whether it
-        was encoded now."""
+        positions, which cannot move - encoded at that slot and cached (in the shared store, or
+        with ``tenant`` among that tenant's learned states). Returns whether it was encoded now."""
         try:
             return self.encoder.place(kv, pos), False
         except ValueError:
             ids = kv.token_ids.tolist()
             key = self.key(ids, pos)
-            got = self.store.get(key)
+            got = self.store.get(key) if tenant is None else self.learned.get(tenant, key)
             if got is not None:
                 return got, False
-            return self.encode_ids(ids, key, pos), True
+            if tenant is None:
+                return self.encode_ids(ids, key, pos), True
+            got = self.encode_ids(ids, key, pos, store=False)
+            self.learned.put(tenant, key, got)
+            return got, True
+
+    def prompt_states(self, ids: Sequence[int], tenant: str) -> tuple[ModuleKV, bool]:
+        """A document from a prompt at the canonical position: the shared store's states (ingested,
+        or encoded on purpose), else those learned for ``tenant``, else encoded now and kept among
+        ``tenant``'s learned states (never in the shared store). ``(states, encoded now)``."""
+        key = self.key(ids)
+        kv = self.store.get(key)
+        if kv is None:
+            kv = self.learned.get(tenant, key)
+        if kv is not None:
+            return kv, False
+        kv = self.encode_ids(ids, key, store=False)
+        self.learned.put(tenant, key, kv)
+        return kv, True
 
 
 def document_ids(pc: PromptCache, text: str) -> list[int]:

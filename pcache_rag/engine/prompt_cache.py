@@ -28,6 +28,7 @@ import torch
 
 from ..conditioning import conditioning_refusal
 from ..discovery import KNOWN_JOURNAL, KnownTexts
+from ..store.learned import LearnedStore
 from ..models.attention import Calibration
 from ..moved import moved
 from ..pml import SchemaLayout, chat_format_for
@@ -130,6 +131,8 @@ class PromptCache:
         #: them in prompts without marks (:mod:`pcache_rag.discovery`); with a ``cache_dir``, the
         #: kept ones are journalled beside their states, for every process on them
         self.known_texts = KnownTexts(Path(cache_dir).expanduser() / KNOWN_JOURNAL if cache_dir else None)
+        #: states learned from prompts: per tenant, in memory, within their own budget (:mod:`pcache_rag.store.learned`)
+        self.learned = LearnedStore()
 
     @property
     def scheduler(self) -> Scheduler | None:
