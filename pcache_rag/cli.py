@@ -290,7 +290,8 @@ def cmd_serve(a) -> int:
 
     from .serve.guard import allowed_hosts_for
 
-    api_key = a.api_key or os.environ.get("PCACHE_RAG_API_KEY") or None
+    # one key, or several (one per client: what each one's prompts teach is kept for it alone)
+    api_key = [k for k in (a.api_key or os.environ.get("PCACHE_RAG_API_KEY", "").split(",")) if k.strip()] or None
     hosts = allowed_hosts_for(a.host, a.allowed_host or [])
     if a.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can read the documents "
@@ -525,8 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
     v.add_argument("--recompute", default=None, metavar="POLICY",
                    help="recompute policy for answers (default: match:1, unless the index is calibrated)")
-    v.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 and /api (default: $PCACHE_RAG_API_KEY, or none)")
+    v.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and /api (repeatable: one key per client, and what "
+                        "each client's prompts teach is kept for that key alone; default: $PCACHE_RAG_API_KEY, "
+                        "comma-separated, or none)")
     v.add_argument("--allowed-host", action="append", metavar="NAME",
                    help="also answer requests whose Host is NAME (repeatable; '*' for any); default: the bound "
                         "address and localhost")

@@ -84,6 +84,9 @@ class CachedRAG:
     ``calibration``: ``"auto"`` (the index's own, from ``pcache-rag calibrate``), ``"none"`` or ``"ape:T:S"``.
     ``learn``: a prompt answered as sent (:meth:`stream_prompt`, the server's plain model) has its
     unknown blocks encoded and kept as documents (False: only known documents are read from the cache).
+    ``namespace``: what this object's prompts teach (their prefixes, their documents not in the
+    index) is kept for it alone (:mod:`pcache_rag.store.learned`); the index is shared by design.
+    A server passes each request's own tenant instead (``tenant=``).
     """
 
     def __init__(
@@ -91,13 +94,15 @@ class CachedRAG:
         chunk_tokens: int | None = None, system_prompt: str = DEFAULT_SYSTEM, chroma_url: str | None = None,
         embedder: MiniLMEmbedder | None = None, create: bool = True, recompute: str | None = "auto",
         kv_url: str | None = None, conditioning: str | LearnedPrefix | None = None, retrieval: str = "hybrid",
-        calibration: str | None = "auto", learn: bool = True,
+        calibration: str | None = "auto", learn: bool = True, namespace: str = "",
     ):
         if calibration not in (None, "auto"):
             Calibration.parse(calibration)  # refused by name before anything loads
         self._calibration_arg = calibration
         #: prompts answered as sent (:meth:`stream_prompt`) teach their unknown blocks as documents
         self.learn = bool(learn)
+        #: the tenant this object's prompts learn for, unless a call names another
+        self.namespace = str(namespace)
         #: the index directory's owner: its paths, manifest and settings
         self.folder = Index(index_dir, create)
         self.index_dir = self.folder.path
@@ -266,7 +271,7 @@ class CachedRAG:
         return handles, Parts(self.chunks.parts(handles), q_ids, "preamble", gen.pop("calibration")), gen, t_ret
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],
-                     notes: list[str] | None = None, **gen):
+                     notes: list[str] | None = None, tenant: str | None = None, **gen):
         """A conversation's answer: its ``turns`` (a system message, else the index's own, then the
         earlier turns), then a user turn of the retrieved chunks and the ``question``; the chunks'
         states are read as in :meth:`stream`. Calibrated attention applies to single questions only,
@@ -279,16 +284,19 @@ class CachedRAG:
         if self.calibration[0] is not None and notes is not None:
             notes.append(f"the index's calibrated attention ({self.calibration[0]}) applies to single questions, "
                          "not to conversations: this answer is uncalibrated")
-        return self.asm.stream_planned(self.asm.message_segments(turns), recompute=self.recompute, **gen)
+        segs = self.asm.message_segments(turns, tenant=self.namespace if tenant is None else tenant)
+        return self.asm.stream_planned(segs, recompute=self.recompute, **gen)
 
     def stream_prompt(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None,
-                      notes: list[str] | None = None, **gen):
+                      notes: list[str] | None = None, tenant: str | None = None, **gen):
         """A prompt answered as sent, chat ``messages`` or a text ``prompt``, with no retrieval: the
         index's chunks (and other known documents) in it are read from the cache, marked or not;
-        why other text was computed joins ``notes``. Returns the Assembler's stream."""
+        why other text was computed joins ``notes``; what it teaches is kept for ``tenant`` (default:
+        :attr:`namespace`). Returns the Assembler's stream."""
         self.know_indexed()
-        segs = (self.asm.message_segments(messages, learn=self.learn) if messages is not None
-                else self.asm.text_segments(prompt or "", learn=self.learn))
+        t = self.namespace if tenant is None else tenant
+        segs = (self.asm.message_segments(messages, learn=self.learn, tenant=t) if messages is not None
+                else self.asm.text_segments(prompt or "", learn=self.learn, tenant=t))
         if notes is not None:
             notes.extend(segs.uncached)
         return self.asm.stream_planned(segs, **gen)

@@ -9,6 +9,7 @@ sse-starlette, python-multipart).
 
 import asyncio
 import math
+from collections.abc import Sequence
 
 from .app import create_app
 from .errors import Busy, RequestError
@@ -36,7 +37,7 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connection
 
 def serve(rag, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, max_new_tokens: int = 128,
           max_batch: int = 16, prefill_tokens: int = 128, max_upload_mb: float = 20.0, log_level: str = "info",
-          allowed_hosts=None, api_key: str | None = None, max_connections: int | None = None,
+          allowed_hosts=None, api_key: str | Sequence[str] | None = None, max_connections: int | None = None,
           header_timeout: float = 10.0, shutdown_timeout: float = 10.0, stall_timeout: float | None = 120.0) -> None:
     """Serve ``rag`` (a :class:`~pcache_rag.rag.CachedRAG`) until interrupted. ``allowed_hosts``
     defaults to the names of ``host`` (see :func:`~.guard.allowed_hosts_for`); ``stall_timeout``

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def safe_upload_name(name: str | None) -> str:
 
 
 def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_hosts=LOOPBACK_NAMES,
-               api_key: str | None = None, max_request_mb: float | None = None, max_json_kb: int = 2048) -> FastAPI:
+               api_key: str | Sequence[str] | None = None, max_request_mb: float | None = None, max_json_kb: int = 2048) -> FastAPI:
     """The app around ``service``; it starts the service's worker on startup and stops it
     on shutdown. ``max_upload_mb`` bounds each uploaded file and ``max_request_mb`` one upload
     request (default: 8 files' worth); ``max_json_kb`` bounds every other body. Requests pass
@@ -172,7 +173,8 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
             if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1024:
                 raise RequestError("max_tokens must be a whole number from 1 to 1024")
             gen["max_new_tokens"] = m
-        job = service.submit(data.get("question"), data.get("k"), bool(data.get("compare")), **gen)
+        job = service.submit(data.get("question"), data.get("k"), bool(data.get("compare")),
+                             tenant=getattr(request.state, "tenant", ""), **gen)
         try:
             first = await first_event(job, request)
         except BaseException:

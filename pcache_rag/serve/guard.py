@@ -9,10 +9,13 @@
    OPTIONS) whose ``Origin`` is not this server's own, or whose ``Sec-Fetch-Site`` says it
    came from another site, is refused (403). Browsers send both, even on ``no-cors``
    requests; clients that are not browsers send neither and are not affected.
-3. **API key** (optional): with ``api_key`` set, every ``/v1`` and ``/api`` request, and the
-   API's own description (``/docs``, ``/redoc``, ``/openapi.json``), needs ``Authorization:
-   Bearer <key>``, as OpenAI clients send it (401 otherwise). The page and its assets stay
-   open, and the page asks for the key.
+3. **API key** (optional): with ``api_key`` set (one key, or several: one per client), every
+   ``/v1`` and ``/api`` request, and the API's own description (``/docs``, ``/redoc``,
+   ``/openapi.json``), needs ``Authorization: Bearer <key>``, as OpenAI clients send it (401
+   otherwise). The page and its assets stay open, and the page asks for the key. The key a
+   request was let in with names its tenant (``scope["state"]["tenant"]``,
+   :func:`~pcache_rag.store.learned.tenant_id`): what its prompts teach is kept for that key
+   alone. Without keys every client is the one tenant ``""``.
 4. **Size before body**: a ``Content-Length`` over the limit is refused (413) before a byte
    of the body is read, and a body without one is counted as it streams and cut at the
    limit. Uploads (``POST /api/documents``) have their own, larger limit.
@@ -35,9 +38,12 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
+
+from ..store.learned import tenant_id
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +106,16 @@ KEYED_PATHS = ("/v1", "/api", "/openapi.json", "/docs", "/redoc")
 
 class Guard:
     """The checks above, in front of ``app``. ``allowed_hosts``: names accepted in ``Host``
-    (``"*"``: any); ``api_key``: the bearer token, or None; ``json_limit`` and
-    ``upload_limit``: the largest bodies, in bytes."""
+    (``"*"``: any); ``api_key``: the bearer token, several (a sequence: one per client, each its
+    own tenant), or None; ``json_limit`` and ``upload_limit``: the largest bodies, in bytes."""
 
-    def __init__(self, app, allowed_hosts=LOOPBACK_NAMES, api_key: str | None = None,
+    def __init__(self, app, allowed_hosts=LOOPBACK_NAMES, api_key: str | Sequence[str] | None = None,
                  json_limit: int = 2 << 20, upload_limit: int = 160 << 20):
         self.app = app
         self.any_host = "*" in allowed_hosts
         self.hosts = {host_name(h) for h in allowed_hosts if h != "*"}
-        self.api_key = api_key or None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = tuple(k for k in keys if k)
         self.json_limit = int(json_limit)
         self.upload_limit = int(upload_limit)
 
@@ -174,14 +181,20 @@ class Guard:
                 return _error(403, f"cross-origin request refused (Origin: {origin})", "permission_error",
                               "cross_origin")
         path = scope["path"]
-        if self.api_key and (path.startswith(("/v1/", "/api/", "/docs", "/redoc")) or path in KEYED_PATHS):
+        if self.api_keys and (path.startswith(("/v1/", "/api/", "/docs", "/redoc")) or path in KEYED_PATHS):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            sent = token.strip().encode()
+            match = None
+            for key in self.api_keys:  # every key compared, in constant time each: no early exit to time
+                if hmac.compare_digest(sent, key.encode()):
+                    match = key
+            if scheme.lower() != "bearer" or match is None:
                 what = "no API key was sent" if not auth else "the API key is not valid"
                 return _error(401, f"{what}: send it as 'Authorization: Bearer KEY' (the server's --api-key or "
                                    f"PCACHE_RAG_API_KEY)", "invalid_request_error", "invalid_api_key",
                               [(b"www-authenticate", b"Bearer")])
+            scope.setdefault("state", {})["tenant"] = tenant_id(match)
         return None
 
     @staticmethod

@@ -238,11 +238,18 @@ def _usage(done: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
 
 
-def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False):
+def tenant_of(request: Request) -> str:
+    """The tenant the request's API key names (set by :class:`~.guard.Guard`; ``""`` without keys)."""
+    return getattr(request.state, "tenant", "")
+
+
+def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False, tenant: str = ""):
     if not plain:
         question, history, instruction = (body, None, "") if text_prompt else body
-        return service.submit(question, k, history=history, instruction=instruction, **gen)
-    return service.submit_plain(prompt=body, **gen) if text_prompt else service.submit_plain(messages=body, **gen)
+        return service.submit(question, k, history=history, instruction=instruction, tenant=tenant, **gen)
+    if text_prompt:
+        return service.submit_plain(prompt=body, tenant=tenant, **gen)
+    return service.submit_plain(messages=body, tenant=tenant, **gen)
 
 
 async def _respond(request: Request, data: dict, job, notes: list[str], chat: bool):
@@ -314,7 +321,8 @@ async def chat_completions(request: Request):
     service = request.app.state.service
     data = await body_json(request)
     plain, body, gen, k, notes = parse_request(data, service)
-    return await _respond(request, data, _submit(service, plain, body, gen, k), notes, chat=True)
+    return await _respond(request, data, _submit(service, plain, body, gen, k, tenant=tenant_of(request)), notes,
+                          chat=True)
 
 
 @router.post("/completions")
@@ -325,5 +333,5 @@ async def completions(request: Request):
     service = request.app.state.service
     data = await body_json(request)
     plain, prompt, gen, k, notes = parse_completion(data, service)
-    job = _submit(service, plain, prompt, gen, k, text_prompt=True)
+    job = _submit(service, plain, prompt, gen, k, text_prompt=True, tenant=tenant_of(request))
     return await _respond(request, data, job, notes, chat=False)

@@ -65,6 +65,8 @@ class Job:
     instruction: str = ""
     #: the question's retrieval vector, when the worker embedded several waiting questions at once
     query_embedding: list[float] | None = None
+    #: whose request this is (from its API key): what its prompt teaches is kept for this tenant only
+    tenant: str = ""
 
     def emit(self, kind: str | None, data=None) -> None:
         try:
@@ -184,7 +186,7 @@ class AnswerService:
         return self.rag.pc.model_name
 
     def submit(self, question: str, k: int | None = None, compare: bool = False,
-               history: list[tuple[str, str]] | None = None, instruction: str = "", **gen) -> Job:
+               history: list[tuple[str, str]] | None = None, instruction: str = "", tenant: str = "", **gen) -> Job:
         """Queue a question (call from the event loop); raises :class:`RequestError` or
         :class:`Busy` at once rather than failing later. ``instruction`` follows the question in
         the prompt and is not part of the retrieval query."""
@@ -194,9 +196,10 @@ class AnswerService:
         gen.setdefault("max_new_tokens", self.max_new_tokens)
         # an empty index is refused by the worker (_indexed), before anything streams
         return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop(), history=history or None,
-                                 instruction=instruction))
+                                 instruction=instruction, tenant=tenant))
 
-    def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None, **gen) -> Job:
+    def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None,
+                     tenant: str = "", **gen) -> Job:
         """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
         or a text ``prompt``, answered with no retrieval; known documents in it (ingested
         chunks, documents seen before) are found and read from the cache."""
@@ -206,7 +209,8 @@ class AnswerService:
         if size > MAX_PROMPT_CHARS:
             raise RequestError(f"the prompt is {size} characters; the limit is {MAX_PROMPT_CHARS}", 413)
         gen.setdefault("max_new_tokens", self.max_new_tokens)
-        return self._enqueue(Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt))
+        return self._enqueue(Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt,
+                                 tenant=tenant))
 
     def _enqueue(self, job: Job) -> Job:
         """Put ``job`` in the queue, or :class:`Busy` when it is full."""
@@ -308,7 +312,7 @@ class AnswerService:
                              "retrieval (they are read from the cache)")
                 job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
             if job.messages is not None or job.prompt is not None:  # the plain model: the prompt as sent
-                stream = rag.stream_prompt(job.messages, job.prompt, notes, **job.gen)
+                stream = rag.stream_prompt(job.messages, job.prompt, notes, tenant=job.tenant, **job.gen)
             else:
                 indexed = _indexed(rag, self.uploads.running)
                 if self.uploads.running:
@@ -316,7 +320,8 @@ class AnswerService:
                 handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding)
                 retrieve_s = time.perf_counter() - t0
                 question = job.question + job.instruction
-                stream = (rag.stream_turns(job.history, question, handles, notes, **job.gen) if job.history
+                stream = (rag.stream_turns(job.history, question, handles, notes, tenant=job.tenant, **job.gen)
+                          if job.history
                           else rag.stream(question, handles=handles, **job.gen))
             # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
             # unsupported is the client's error, said before anything streams

@@ -159,7 +159,9 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     own system message may differ (only its prefix is encoded then). ``learn_documents``
     (default True): documents pasted without marks that nothing has seen are taken from the
     prompt's blocks between blank lines, encoded on first sight and read from the cache next
-    time; ``response_metadata["uncached"]`` says why text was computed instead.
+    time; ``response_metadata["uncached"]`` says why text was computed instead. ``namespace``: what
+    this object's prompts teach is kept for it alone (the states learned from prompts are per
+    namespace; the ingested index is shared by design): give each user or tenant its own.
     """
 
     # a constructor argument the engine does not take (device=, top_k=, num_ctx=) is refused by
@@ -178,6 +180,8 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     document_preamble: str = DEFAULT_SYSTEM
     #: take a prompt's unknown documents from its blocks (README, "Documents in any prompt")
     learn_documents: bool = True
+    #: whose prompts these are: what they teach is read for this namespace only
+    namespace: str = ""
     #: accepted for drop-in compatibility with hosted models; a local model has no network call
     #: to time out or retry, so setting either warns that it has no effect
     timeout: float | None = None
@@ -280,7 +284,8 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
         turns = with_instruction([(_role(m), _content(m)) for m in messages], gen.pop("instruction"))
-        return asm.stream(asm.message_segments(turns, learn=self.learn_documents), recompute=recompute, **gen)
+        segs = asm.message_segments(turns, learn=self.learn_documents, tenant=self.namespace)
+        return asm.stream(segs, recompute=recompute, **gen)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -338,6 +343,8 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     document_preamble: str = DEFAULT_SYSTEM
     #: take a prompt's unknown documents from its blocks (README, "Documents in any prompt")
     learn_documents: bool = True
+    #: whose prompts these are: what they teach is read for this namespace only
+    namespace: str = ""
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -361,7 +368,8 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
         gen = self._gen(stop, kwargs)
         recompute = gen.pop("recompute")
         gen.pop("instruction")  # a text prompt is read as written: the grammar applies, no schema is added
-        for item in asm.stream(asm.text_segments(prompt, learn=self.learn_documents), recompute=recompute, **gen):
+        segs = asm.text_segments(prompt, learn=self.learn_documents, tenant=self.namespace)
+        for item in asm.stream(segs, recompute=recompute, **gen):
             if not isinstance(item, str):
                 yield GenerationChunk(text="", generation_info=item.stats())
                 continue

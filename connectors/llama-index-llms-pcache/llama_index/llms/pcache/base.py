@@ -94,6 +94,8 @@ class PromptCacheLLM(CustomLLM):
     document_preamble: str = DEFAULT_SYSTEM
     learn_documents: bool = Field(default=True, description="take a prompt's unknown documents from its blocks "
                                   "between blank lines, encoded on first sight and read from the cache next time")
+    namespace: str = Field(default="", description="whose prompts these are: what they teach is kept for this "
+                           "namespace alone (the ingested index is shared by design)")
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -154,8 +156,9 @@ class PromptCacheLLM(CustomLLM):
         gen, recompute, instruction = self._gen(kwargs)
         asm = self.assembler
         learn = self.learn_documents
-        segs = asm.message_segments(with_instruction(turns, instruction), learn=learn) if turns is not None else \
-            asm.text_segments(text or "", learn=learn)
+        ns = self.namespace
+        segs = asm.message_segments(with_instruction(turns, instruction), learn=learn, tenant=ns) \
+            if turns is not None else asm.text_segments(text or "", learn=learn, tenant=ns)
         return asm.stream(segs, recompute=recompute, **gen)
 
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
