@@ -183,6 +183,22 @@ def cmd_verify(a) -> int:
     return 0 if v.clean else 1
 
 
+def cmd_forget(a) -> int:
+    from .rag.forget import forget
+
+    texts = list(a.texts)
+    for f in a.file or []:
+        texts.append(Path(f).read_text(encoding="utf-8"))
+    if not texts and a.older_than is None:
+        print("pcache-rag forget: name texts, --file FILE or --older-than DAYS", file=sys.stderr)
+        return 2
+    rag = _rag(a, create=False)
+    for line in forget(rag, texts, a.older_than).lines():
+        print(shown(line))
+    rag.close()
+    return 0
+
+
 def cmd_ask(a) -> int:
     from .rag import Index
 
@@ -483,6 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check an index against its files and its KV store")
     rag_args(v)
     v.set_defaults(fn=cmd_verify)
+
+    f = sub.add_parser("forget", help="remove texts' states (every tier) and their journal entries; --older-than "
+                                      "drops journal entries past a retention period")
+    f.add_argument("texts", nargs="*", help="texts to forget, as they were encoded")
+    rag_args(f)
+    f.add_argument("--file", action="append", metavar="FILE", help="a file whose whole text is to be forgotten")
+    f.add_argument("--older-than", type=_positive_float, default=None, metavar="DAYS",
+                   help="also drop journal entries added more than DAYS days ago")
+    f.set_defaults(fn=cmd_forget)
 
     c = sub.add_parser("calibrate", help="choose calibrated attention, or learn a conditioning prefix (--learn), for an "
                                          "index without labels (KL to full prefill)")

@@ -18,12 +18,17 @@ sentence is too likely to be quoted, and too cheap to be worth a lookup.
 Texts that were encoded and kept (a connector's encoder, a document encoded on first use)
 are also written to a journal beside the states they name (``known-texts.jsonl`` in the
 engine's ``cache_dir``), so another process on the same states finds them too: a server
-started after ``PromptCacheDocumentEncoder`` ran, or a second worker. The journal is
-append-only JSON lines, one text each, written under a file lock; a reader takes what was
+started after ``PromptCacheDocumentEncoder`` ran, or a second worker. Only texts encoded on
+purpose are journalled (``Assembler.ensure``: the user's own documents); what prompts teach is
+kept per tenant in memory and written nowhere (:mod:`pcache_rag.store.learned`). The journal is
+JSON lines, one ``{"text", "at"}`` object each (``at``: when it was added, Unix seconds; an older
+journal's bare strings are read too), appended under a file lock; a reader takes what was
 appended since it last looked, at each lookup (one ``stat`` when nothing changed). A line left
 without its newline by a crash mid-write is ended by the next writer, so it reads as one damaged
-line (skipped, with a warning) and never swallows the entry written after it. JSON, not
-pickle: the journal is data, never code.
+line (skipped, with a warning) and never swallows the entry written after it.
+:meth:`KnownTexts.compact` rewrites it without forgotten texts, entries past a retention
+period, duplicates and damaged lines (``pcache-rag forget``). JSON, not pickle: the journal is
+data, never code.
 
 **Learning documents from prompts** (:func:`document_spans`): a stock pipeline may paste
 documents that no component of ours has seen (LangChain's ``create_stuff_documents_chain`` over
@@ -47,6 +52,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +149,8 @@ class KnownTexts:
         from filelock import FileLock
 
         assert self._journal is not None
-        data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
+        now = round(time.time())
+        data = "".join(json.dumps({"text": t, "at": now}, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
         try:
             self._journal.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(self._journal) + ".lock", timeout=30), open(self._journal, "a+b") as f:
@@ -167,9 +174,11 @@ class KnownTexts:
             size = self._journal.stat().st_size
         except OSError:
             return  # no journal yet
-        if size <= self._read_to:
+        if size == self._read_to:
             return
         with self._lock:
+            if size < self._read_to:  # compacted by another process: read it again from the start
+                self._read_to = 0
             if size <= self._read_to:
                 return
             with open(self._journal, "rb") as f:
@@ -178,16 +187,51 @@ class KnownTexts:
             whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
             texts = []
             for line in whole.splitlines():
-                try:
-                    t = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    t = None
-                if isinstance(t, str):
-                    texts.append(t)
+                entry = _entry(line)
+                if entry is not None:
+                    texts.append(entry[0])
                 else:
                     log.warning("skipping a damaged line in %s", self._journal)
             self._read_to += len(whole)
             self._add_locked(texts)
+
+    def compact(self, forget: Iterable[str] = (), older_than_s: float | None = None) -> tuple[int, int]:
+        """Rewrite the journal without the texts in ``forget``, entries added more than
+        ``older_than_s`` seconds ago, duplicates and damaged lines (under its lock, atomically:
+        a new file renamed over the old); ``forget`` leaves this process's set too. Returns
+        ``(entries kept, entries dropped)``. Other processes read the rewritten journal anew
+        at their next lookup; texts they already hold stay known to them until they restart."""
+        from filelock import FileLock
+
+        gone = {t.strip() for t in forget}
+        with self._lock:
+            for t in gone:
+                same = self._by_anchor.get(t[:ANCHOR_CHARS])
+                if same and t in same:
+                    same.remove(t)
+                    self._n -= 1
+                    if not same:  # its anchor may stay in an automaton: a lookup finds no text for it
+                        del self._by_anchor[t[:ANCHOR_CHARS]]
+        if self._journal is None or not self._journal.exists():
+            return 0, 0
+        cutoff = None if older_than_s is None else time.time() - older_than_s
+        kept: dict[str, float] = {}
+        dropped = 0
+        with FileLock(str(self._journal) + ".lock", timeout=30):
+            for line in self._journal.read_bytes().splitlines():
+                entry = _entry(line)
+                if entry is None or entry[0] in gone or entry[0] in kept \
+                        or (cutoff is not None and entry[1] < cutoff):
+                    dropped += 1
+                    continue
+                kept[entry[0]] = entry[1]
+            tmp = self._journal.with_name(self._journal.name + ".compact")
+            tmp.write_bytes("".join(json.dumps({"text": t, "at": at}, ensure_ascii=False) + "\n"
+                                    for t, at in kept.items()).encode("utf-8"))
+            os.replace(tmp, self._journal)
+            with self._lock:
+                self._read_to = self._journal.stat().st_size
+        return len(kept), dropped
 
     def find(self, text: str, misses: list[int] | None = None) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of ``text`` that are known texts, in order;
@@ -208,7 +252,10 @@ class KnownTexts:
                     continue  # empty
                 for end, anchor in automaton.iter(text):
                     start = end - len(anchor) + 1
-                    for full in self._by_anchor[anchor]:  # longest first
+                    same = self._by_anchor.get(anchor)
+                    if not same:  # forgotten (compact): its anchor stays in the automaton until a rebuild
+                        continue
+                    for full in same:  # longest first
                         if text.startswith(full, start):
                             hits.append((start, start + len(full)))
                             break
@@ -256,6 +303,20 @@ class KnownUnion:
             if not spans or start >= spans[-1][1]:
                 spans.append((start, end))
         return spans
+
+
+def _entry(line: bytes) -> tuple[str, float] | None:
+    """A journal line's ``(text, when added)``: an object ``{"text", "at"}``, or an older journal's
+    bare string (when: 0, the epoch); None for a damaged line."""
+    try:
+        v = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if isinstance(v, str):
+        return v, 0.0
+    if isinstance(v, dict) and isinstance(v.get("text"), str) and isinstance(v.get("at", 0), (int, float)):
+        return v["text"], float(v.get("at", 0))
+    return None
 
 
 def blocks(text: str) -> list[tuple[int, int]]:

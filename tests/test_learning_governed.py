@@ -87,6 +87,10 @@ def test_two_api_keys_are_two_tenants_over_http(smol, tmp_path):
         assert a2 > a1, "key A's repeat reads its note from the cache"
         assert b_right == b_wrong < a2, (a1, a2, b_right, b_wrong)
         assert rag.pc.learned.stats().tenants == 2
+        r = httpx.post(srv.url + "/api/forget", headers={"Authorization": "Bearer key-a"}, timeout=30)
+        assert r.status_code == 200 and r.json()["forgotten"] >= 2, r.text
+        assert cached("key-a", PIN) == a1, "key A's note and prefix were forgotten"
+        assert cached("key-b", PIN) == a2, "key B's own states stay"
     finally:
         srv.stop()
         rag.close()
@@ -174,3 +178,56 @@ def test_learned_states_expire_after_the_retention_period(smol_tok):
     _cost(a, "t", PIN)
     assert _cost(a, "t", PIN)[1] == _cost(a, "t", "0000")[1], "nothing outlived the retention period"
     assert pc.learned.stats().expired > 0
+
+
+def test_the_journal_keeps_texts_encoded_on_purpose_with_their_time_and_compacts(tmp_path):
+    """The journal (texts encoded on purpose, for other processes): entries carry when they were
+    added; compact() drops forgotten texts, entries past a retention period, duplicates and
+    damaged lines, and another process reading the same journal follows the rewrite. An older
+    journal's bare-string lines still read."""
+    import json
+
+    from pcache_rag.discovery import KnownTexts
+
+    path = tmp_path / KNOWN_JOURNAL
+    texts = [f"Document {i}: the lighthouse on the north cape is painted red and white, and its lamp turns." * 2
+             for i in range(3)]
+    path.write_text(json.dumps("An older journal wrote bare strings, one per line, and those still read fine.") +
+                    "\n{damaged\n")
+    mine, other = KnownTexts(path), KnownTexts(path)
+    mine.add(texts, keep=True)
+    assert len(other) == 4 and all(json.loads(line).get("at") for line in path.read_text().splitlines()[2:])
+    assert mine.compact([texts[0]]) == (3, 2)  # the forgotten text and the damaged line
+    assert texts[0].strip() not in mine and texts[1].strip() in mine
+    assert not mine.find("Say: " + texts[0])
+    fresh = KnownTexts(path)
+    assert len(fresh) == 3 and texts[0].strip() not in fresh
+    other.add([texts[2]], keep=True)  # a process that read the old journal appends after the rewrite
+    assert len(KnownTexts(path)) == 3
+    assert mine.compact(older_than_s=3600) == (2, 1), "the bare string counts as added at the epoch"
+
+
+@pytest.mark.real_model
+def test_pcache_rag_forget_removes_states_and_journal_entries(smol, smol_dir, tmp_path, capsys):
+    """`pcache-rag forget TEXT --index DIR`: the text's states leave every tier of the store and
+    its journal line goes; a text that is an indexed chunk is said to be still indexed."""
+    from pcache_rag.cli import main
+    from pcache_rag.rag import CachedRAG
+
+    index = tmp_path / "index"
+    pc = PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv"))
+    rag = CachedRAG(index, pc=pc, k=1, chunk_tokens=64)
+    (tmp_path / "docs").mkdir()
+    chunk = "The ferry to the island leaves at 07:45 every morning and returns at 18:30."
+    (tmp_path / "docs" / "ferry.md").write_text(chunk + "\n")
+    rag.ingest([tmp_path / "docs"], progress=False)
+    secret = "Private memo: the board meets on the third Thursday to decide the harbour budget for next year."
+    (key,) = rag.asm.ensure([secret])
+    assert pc.store.contains(key) and secret in (index / "kv" / KNOWN_JOURNAL).read_text()
+    rag.close()
+    assert main(["forget", secret, chunk, "--index", str(index), "--model", str(smol_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "2 stored state(s) removed" in out and "still indexed" in out and "ferry" in out
+    assert secret not in (index / "kv" / KNOWN_JOURNAL).read_text()
+    again = PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv"))
+    assert not again.store.contains(key) and secret not in again.known_texts

@@ -159,6 +159,13 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
         service.uploads.start([corpus], label=[f.name for f in files])
         return {"files": [f.name for f in files], "ingest": "/api/ingest"}
 
+    @app.post("/api/forget")
+    async def forget_learned(request: Request):
+        """Drop what the caller's prompts taught this server (its tenant's learned states, in
+        memory); the ingested index is not touched."""
+        tenant = getattr(request.state, "tenant", "")
+        return {"forgotten": service.rag.pc.learned.forget(tenant)}
+
     @app.post("/api/ask")
     async def ask(request: Request):
         """``{"question", "k"?, "compare"?, "max_tokens"?}`` -> server-sent events ``start``
