@@ -231,3 +231,31 @@ def test_pcache_rag_forget_removes_states_and_journal_entries(smol, smol_dir, tm
     assert secret not in (index / "kv" / KNOWN_JOURNAL).read_text()
     again = PromptCache(smol.model, smol.tokenizer, cache_dir=str(index / "kv"))
     assert not again.store.contains(key) and secret not in again.known_texts
+
+
+def _states(tokens: int):
+    """A unit of ``tokens`` tokens of 1 KB each (float32, one layer, one head, 128 wide, keys and values)."""
+    import torch
+
+    from pcache_rag.kv import ModuleKV
+
+    return ModuleKV(torch.zeros(1, 1, tokens, 128), torch.zeros(1, 1, tokens, 128), torch.arange(tokens),
+                    torch.arange(tokens))
+
+
+def test_one_tenant_keeps_at_most_its_share_and_learns_at_most_its_rate():
+    """A 100 KB budget, a share of half: a busy tenant's own oldest states make room for its
+    new ones, and the quiet tenant's stay. With a rate of 10 KB/s (a bucket of 600 KB), a
+    tenant that learned its bucket's worth has its next state refused (computed, not kept)."""
+    store = LearnedStore(budget_bytes=100 << 10, tenant_share=0.5)
+    assert store.put("quiet", "q", _states(20))  # 20 KB
+    for i in range(10):
+        assert store.put("busy", f"b{i}", _states(10))  # 10 KB each: 100 KB offered, 50 KB its share
+    assert store.get("quiet", "q") is not None, "the quiet tenant's state stayed"
+    assert [store.contains("busy", f"b{i}") for i in range(10)] == [False] * 5 + [True] * 5
+    assert store.stats().bytes <= 100 << 10 and not store.put("busy", "huge", _states(60)), "over its share"
+
+    slow = LearnedStore(budget_bytes=10 << 20, rate_bytes_per_s=10 << 10)
+    kept = [slow.put("t", f"k{i}", _states(100)) for i in range(8)]  # 100 KB each against a 600 KB bucket
+    assert kept == [True] * 6 + [False] * 2 and slow.stats().refused == 2
+    assert slow.put("other", "k", _states(100)), "another tenant has a bucket of its own"

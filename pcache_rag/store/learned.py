@@ -12,7 +12,10 @@ governed separately from the ingested index:
   unsalted store holds only what was ingested or explicitly encoded (``Assembler.ensure``).
 * **Bounded.** Learned states live in a host-memory tier of their own (``budget_bytes``,
   least recently used first out), never on disk or in Redis: a flood of distinct prompts
-  evicts learned states only, never an ingested document, and writes nothing to disk.
+  evicts learned states only, never an ingested document, and writes nothing to disk. One
+  tenant holds at most ``tenant_share`` of the budget (past it, its own oldest go first) and
+  learns at most ``rate_bytes_per_s`` on average (a bucket of one minute's worth; past it, its
+  new documents are computed and not kept), so one busy client cannot flush the others'.
 * **Forgotten.** Entries older than ``retention_s`` are dropped when next touched, and
   :meth:`forget` drops a tenant's (or everyone's) learned states at once. Nothing of a prompt's
   text is written anywhere: the texts it taught are known to this process only, per tenant.
@@ -57,6 +60,7 @@ class LearnedStats:
     puts: int
     evictions: int
     expired: int
+    refused: int  # states not kept: their tenant was over its rate or share
     tenants: int
 
 
@@ -64,10 +68,18 @@ class LearnedStore:
     """Prompt-borne states (see the module docstring): ``get``/``put`` by ``(tenant, key)``,
     least recently used out past ``budget_bytes``, none older than ``retention_s`` seconds."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_LEARNED_BYTES, retention_s: float = DEFAULT_RETENTION_S) -> None:
-        if budget_bytes < 0 or retention_s <= 0:
-            raise ValueError("budget_bytes must be at least 0 and retention_s positive")
+    def __init__(self, budget_bytes: int = DEFAULT_LEARNED_BYTES, retention_s: float = DEFAULT_RETENTION_S,
+                 tenant_share: float = 0.5, rate_bytes_per_s: float | None = None) -> None:
+        if budget_bytes < 0 or retention_s <= 0 or not 0 < tenant_share <= 1:
+            raise ValueError("budget_bytes must be at least 0, retention_s positive and tenant_share in (0, 1]")
         self.retention_s = float(retention_s)
+        self.tenant_share = float(tenant_share)
+        #: default: the whole budget a minute per tenant
+        self.rate = float(rate_bytes_per_s) if rate_bytes_per_s is not None else budget_bytes / 60.0
+        self._bucket: dict[str, tuple[float, float]] = {}  # tenant -> (bytes it may still learn, when)
+        self._held: dict[str, int] = {}  # tenant -> bytes of learned states it holds
+        self._sizes: dict[str, int] = {}  # salted key -> its bytes
+        self.refused = 0  # states not kept: their tenant was over its rate
         self._tier = MemoryTier("cpu", budget_bytes=int(budget_bytes), name="learned", pin=False)
         self._born: dict[str, float] = {}  # salted key -> when it was learned
         self._owner: dict[str, str] = {}  # salted key -> tenant
@@ -96,18 +108,34 @@ class LearnedStore:
     def contains(self, tenant: str, key: str) -> bool:
         return self._tier.contains(self.salted(tenant, key))
 
-    def put(self, tenant: str, key: str, kv: ModuleKV) -> None:
-        """Keep ``kv`` for ``tenant``; the least recently used learned states make room (a state
-        larger than the whole budget is not kept)."""
+    def put(self, tenant: str, key: str, kv: ModuleKV) -> bool:
+        """Keep ``kv`` for ``tenant``: its own oldest states make room past its share, the least
+        recently used of all past the budget. False if it was not kept (the tenant is over its
+        rate, or the state is larger than its share)."""
         k = self.salted(tenant, key)
+        n = kv.nbytes()
+        now = time.monotonic()
         with self._lock:
-            evicted = self._tier.put(k, kv)
-            for gone, _ in evicted:
-                self._born.pop(gone, None)
-                self._owner.pop(gone, None)
-            if self._tier.contains(k):
-                self._born[k] = time.monotonic()
-                self._owner[k] = tenant
+            if k in self._owner:
+                self._drop(k)
+            room, at = self._bucket.get(tenant, (self.rate * 60.0, now))
+            room = min(self.rate * 60.0, room + (now - at) * self.rate)
+            share = self.tenant_share * self._tier.budget
+            if n > room or n > share:
+                self._bucket[tenant] = (room, now)
+                self.refused += 1
+                return False
+            self._bucket[tenant] = (room - n, now)
+            mine = sorted((b, x) for x, b in self._born.items() if self._owner.get(x) == tenant)
+            while mine and self._held.get(tenant, 0) + n > share:
+                self._drop(mine.pop(0)[1])
+            for gone, _ in self._tier.put(k, kv):
+                self._forget_key(gone)
+            if not self._tier.contains(k):
+                return False
+            self._born[k], self._owner[k], self._sizes[k] = now, tenant, n
+            self._held[tenant] = self._held.get(tenant, 0) + n
+            return True
 
     def known(self, tenant: str):
         """The texts learned for ``tenant``, found in its later prompts (a
@@ -134,13 +162,19 @@ class LearnedStore:
 
     def _drop(self, k: str) -> None:
         self._tier.remove(k)
+        self._forget_key(k)
+
+    def _forget_key(self, k: str) -> None:
+        """The books of a key that left the tier (dropped or evicted)."""
         self._born.pop(k, None)
-        self._owner.pop(k, None)
+        tenant = self._owner.pop(k, None)
+        if tenant is not None:
+            self._held[tenant] = self._held.get(tenant, 0) - self._sizes.pop(k, 0)
 
     def stats(self) -> LearnedStats:
         s = self._tier.stats()
         return LearnedStats(s.bytes, s.entries, self._tier.budget, s.hits, s.misses, s.puts, s.evictions, self.expired,
-                            len(set(self._owner.values())))
+                            self.refused, len(set(self._owner.values())))
 
 
 __all__ = ["DEFAULT_LEARNED_BYTES", "DEFAULT_RETENTION_S", "LearnedStats", "LearnedStore", "tenant_id"]
