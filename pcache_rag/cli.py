@@ -568,8 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--stall-timeout", type=_positive_float, default=120.0, metavar="S",
                    help="answers waiting this long on a batch that makes no step are failed (503 'stalled') and "
                         "their places freed")
-    v.add_argument("--no-learn", dest="learn", action="store_false",
-                   help="do not keep documents learned from prompts answered as sent (known ones are still read)")
+    v.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep what prompts answered as sent teach, per API key, in memory (the default); "
+                        "--no-learn: keep nothing (known documents are still read)")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     v.set_defaults(fn=cmd_serve)
 

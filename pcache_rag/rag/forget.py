@@ -42,7 +42,7 @@ def forget(rag, texts: Sequence[str] = (), older_than_days: float | None = None)
     asm = rag.asm
     rep = ForgetReport()
     for t in texts:
-        if rag.pc.store.remove(asm.key(asm.doc_ids(t))):
+        if asm.store.remove(asm.key(asm.doc_ids(t))):
             rep.states += 1
     if texts:  # chunks of indexed files that hold a text: their states go too (they return on use)
         chunks, keys = rag.index.texts(), rag.index.keys()
@@ -50,7 +50,7 @@ def forget(rag, texts: Sequence[str] = (), older_than_days: float | None = None)
             hits = [cid for cid, body in chunks if t.strip() and t.strip() in body]
             if hits:
                 rep.indexed.append(t)
-                rep.states += sum(1 for cid in hits if rag.pc.store.remove(keys[cid]))
+                rep.states += sum(1 for cid in hits if asm.store.remove(keys[cid]))
     older = None if older_than_days is None else older_than_days * 86400.0
     rep.journal_kept, rep.journal_dropped = asm.known_texts.compact(texts, older)
     return rep

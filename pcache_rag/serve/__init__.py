@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .app import create_app
 from .errors import Busy, RequestError
-from .service import AnswerService
+from .service import AnswerService, fail_in_flight
 
 __all__ = ["AnswerService", "Busy", "RequestError", "create_app", "graceful_server", "serve", "server_config"]
 
@@ -70,7 +70,7 @@ def graceful_server(config):
         async def shutdown(self, sockets=None) -> None:
             timer = None
             if service is not None:
-                timer = asyncio.get_running_loop().call_later(grace, service.fail_in_flight,
+                timer = asyncio.get_running_loop().call_later(grace, fail_in_flight, service,
                                                               "the server is shutting down: this answer was stopped")
             try:
                 await super().shutdown(sockets)

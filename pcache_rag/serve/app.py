@@ -164,7 +164,7 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
         """Drop what the caller's prompts taught this server (its tenant's learned states, in
         memory); the ingested index is not touched."""
         tenant = getattr(request.state, "tenant", "")
-        return {"forgotten": service.rag.pc.learned.forget(tenant)}
+        return {"forgotten": service.rag.asm.learned.forget(tenant)}
 
     @app.post("/api/ask")
     async def ask(request: Request):

@@ -118,7 +118,7 @@ class AnswerService:
         #: every slot held a stall
         self._progress = time.monotonic()
         self.stall_s = 60.0
-        #: on a stop, how long answers in flight may go on before :meth:`fail_in_flight` ends them (set
+        #: on a stop, how long answers in flight may go on before :func:`fail_in_flight` ends them (set
         #: from the shutdown timeout by :func:`~pcache_rag.serve.graceful_server`); streams are not
         #: cut before it
         self.shutdown_grace_s = 9.5
@@ -165,19 +165,6 @@ class AnswerService:
             self.rag.pc.stop_batching()
             self._own_batch = False
         self.uploads.join(timeout)
-
-    def fail_in_flight(self, reason: str) -> int:
-        """End every answer in flight with ``reason`` (503, code ``shutting_down``): a stop that
-        cannot wait for them any longer says so to their clients (:func:`~pcache_rag.serve.graceful_server`).
-        Their streams leave the batch at their next token; how many were ended."""
-        jobs = list(self._running.copy().values())  # copied at once: stream threads change it
-        for job in jobs:
-            job.emit("error", {"status": 503, "code": "shutting_down", "message": reason})
-            job.emit(None)
-            job.cancel()
-        if jobs:
-            log.warning("%d answer(s) in flight ended: %s", len(jobs), reason)
-        return len(jobs)
 
     # ------------------------------------------------------------------ questions
 
@@ -413,6 +400,21 @@ def service_stats(service: AnswerService) -> dict:
         "ingest": service.uploads.status(),
     }
 
+
+
+def fail_in_flight(service: AnswerService, reason: str) -> int:
+    """End every answer in flight on ``service`` with ``reason`` (503, code ``shutting_down``): a
+    stop that cannot wait for them any longer says so to their clients
+    (:func:`~pcache_rag.serve.graceful_server`). Their streams leave the batch at their next
+    token; how many were ended."""
+    jobs = list(service._running.copy().values())  # copied at once: stream threads change it
+    for job in jobs:
+        job.emit("error", {"status": 503, "code": "shutting_down", "message": reason})
+        job.emit(None)
+        job.cancel()
+    if jobs:
+        log.warning("%d answer(s) in flight ended: %s", len(jobs), reason)
+    return len(jobs)
 
 
 def service_health(service: AnswerService, stall_s: float | None = None) -> tuple[bool, str]:
