@@ -205,6 +205,44 @@ def test_rag_model_honours_the_system_message_and_earlier_turns(served):
     assert single.usage.prompt_tokens != r.usage.prompt_tokens  # the default system prompt, no turns
 
 
+GATES = {"north.md": "The access code for the north gate is 4417. The north gate opens at dawn and closes at dusk.\n",
+         "south.md": "The access code for the south gate is 9051. The south gate is where the delivery vans come in.\n",
+         "ferry.md": "The ferry to the island leaves at 07:45 every morning and returns at 18:30.\n"}
+
+
+def test_follow_ups_are_retrieved_with_the_conversation(smol, tmp_path):
+    """The RAG model with k=1 over two look-alike gate documents: a follow-up that names the
+    other gate retrieves that gate; one that names none ("its access code") retrieves the gate
+    the conversation (an earlier question, or the system message) is about. Before, retrieval
+    read the last message alone and got the wrong gate for the second and third."""
+    from pcache_rag.serve import AnswerService, create_app
+
+    rag = make_rag(smol, tmp_path / "index", GATES)
+    srv = Server(create_app(AnswerService(rag, max_new_tokens=4)))
+
+    def source(messages) -> tuple[str, list[str]]:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": "pcache-rag", "max_tokens": 4, "temperature": 0, "k": 1,
+            "messages": [{"role": role, "content": text} for role, text in messages]})
+        assert r.status_code == 200, r.text
+        return r.json()["pcache"]["sources"][0]["document"], r.json()["pcache"]["notes"]
+
+    try:
+        north = ("user", "What is the access code for the north gate?")
+        said = ("assistant", "The access code for the north gate is 4417.")
+        assert source([north])[0] == "north.md"
+        got, notes = source([north, said, ("user", "And the south gate?")])
+        assert got == "south.md" and any("earlier message" in n for n in notes), notes
+        assert source([("user", "What is the access code for the south gate?"), ("assistant", "It is 9051."),
+                       ("user", "And for the north gate?")])[0] == "north.md"
+        assert source([north, said, ("user", "When does it close?")])[0] == "north.md"
+        assert source([("system", "The user works at the north gate."), ("user", "What is its access code?")])[0] \
+            == "north.md"
+    finally:
+        srv.stop()
+        rag.close()
+
+
 def test_a_clients_own_rag_prompt_is_not_a_retrieval_query(served):
     """A client that retrieved already sends "Context: ... Question: ..." to the RAG model: the
     server finds its own chunk in it, answers the message as sent (no second retrieval, no

@@ -204,17 +204,20 @@ class CachedRAG:
     # ------------------------------------------------------------------ retrieve and answer
 
     def retrieve(self, question: str, k: int | None = None, prefetch: bool = True,
-                 notes: list[str] | None = None, embedding: list[float] | None = None) -> list[ModuleHandle]:
+                 notes: list[str] | None = None, embedding: list[float] | None = None,
+                 context: Sequence[str] = ()) -> list[ModuleHandle]:
         """The ``k`` closest chunks as handles, best first; their states start moving to the fastest tier at once
         (``prefetch``). Sees every ingest committed by any process (:meth:`refresh`); what cannot be used is said
-        in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it."""
+        in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it.
+        ``context``: the conversation's earlier texts, most recent first (``conversation_context(turns)``): a
+        follow-up is looked up with them (:func:`~pcache_rag.rag.retrieval.with_context`)."""
         k = self.k if k is None else _check_k(k)
         _check_question(question)
         self.upkeep.refresh()
-        hits = self.retriever.hits(question, k, embedding)
+        hits = self.retriever.hits(question, k, embedding, context)
         if self.retriever.stale(hits):  # chunks that vanished since chroma's vector index was loaded: look again
             self.upkeep.refresh(force=True)
-            hits = self.retriever.hits(question, k, embedding)
+            hits = self.retriever.hits(question, k, embedding, context)
         return self.retriever.handles(hits, prefetch, notes)
 
     def fit_question(self, question: str, handles: list[ModuleHandle], gen: dict) -> list[int]:

@@ -5,11 +5,22 @@ ranking alone: :mod:`.lexical`), turns hits into :class:`~.types.ModuleHandle` s
 ingest removed meanwhile are left out, and said so), makes the retrieved texts known documents
 of the engine (a stock chain may paste them anywhere, unmarked) and starts moving their states
 to the fastest tier.
+
+**Conversations.** A follow-up ("And the south gate?", "What is its access code?") means little
+alone. :func:`with_context` makes one query of it and the conversation before it (its earlier
+user messages and system messages, most recent first): the question's vector plus each earlier
+text's at half the weight of the one after it (:data:`CONTEXT_WEIGHTS`), and a lexical query of
+the question twice and the context once. So what the follow-up names itself (the south gate)
+outweighs what came before, and what it leaves out (which gate) comes from before. No model
+call: a condensing prompt on a small model rewrites questions badly, and costs a generation.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+
+import numpy as np
 
 from .chunks import ChunkStates
 from .embed import MiniLMEmbedder
@@ -18,6 +29,31 @@ from .live import LiveIndex
 from .types import ModuleHandle
 
 log = logging.getLogger(__name__)
+
+#: how much each earlier text of a conversation counts in its retrieval query against the
+#: question's 1.0, most recent first; texts beyond these are not read
+CONTEXT_WEIGHTS = (0.5, 0.25, 0.125)
+#: the longest earlier text read for retrieval, in characters (a long system prompt's opening)
+CONTEXT_CHARS = 1000
+
+
+def conversation_context(turns: Sequence[tuple[str, str]]) -> list[str]:
+    """The texts of a conversation's earlier ``(role, text)`` turns that retrieval reads: user
+    and system messages (an answer may be wrong, and repeats the documents), most recent first."""
+    return [t[:CONTEXT_CHARS] for role, t in reversed(turns) if role in ("user", "system") and t.strip()]
+
+
+def with_context(embedder: MiniLMEmbedder, question: str, context: Sequence[str],
+                 embedding: list[float] | None = None) -> tuple[str, list[float]]:
+    """``(lexical query, vector)`` for ``question`` asked after ``context`` (most recent first;
+    see the module docstring). ``embedding``: the question's own vector, when known."""
+    ctx = list(context)[: len(CONTEXT_WEIGHTS)]
+    vecs = embedder.embed(([] if embedding is not None else [question]) + ctx)
+    q = np.asarray(embedding if embedding is not None else vecs[0], dtype=np.float64)
+    for w, v in zip(CONTEXT_WEIGHTS, vecs[len(vecs) - len(ctx):]):
+        q = q + w * np.asarray(v, dtype=np.float64)
+    q /= max(float(np.linalg.norm(q)), 1e-12)
+    return " ".join([question, question, *ctx]), q.tolist()
 
 
 class Retriever:
@@ -29,10 +65,15 @@ class Retriever:
         self._bm25, self._dense = BM25Index(), ExactDense()
         self._known: tuple | None = None  # the index version know_indexed() last read
 
-    def hits(self, question: str, k: int, embedding: list[float] | None = None) -> list[tuple]:
+    def hits(self, question: str, k: int, embedding: list[float] | None = None,
+             context: Sequence[str] = ()) -> list[tuple]:
         """The ``k`` best ``(id, score, text, metadata)``, best first (text and metadata are None
-        for a chunk removed since chroma's vector index was loaded)."""
-        return hybrid_search(self.live.chroma, self.embedder, self._bm25, self.live.version, question, k, self.mode,
+        for a chunk removed since chroma's vector index was loaded). ``context``: the conversation
+        before the question, most recent first (:func:`with_context`)."""
+        query = question
+        if context:
+            query, embedding = with_context(self.embedder, question, context, embedding)
+        return hybrid_search(self.live.chroma, self.embedder, self._bm25, self.live.version, query, k, self.mode,
                              embedding, self._dense)
 
     @staticmethod

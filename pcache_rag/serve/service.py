@@ -33,6 +33,7 @@ from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
 from ..engine.watchdog import DEFAULT_STALL_S
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
+from ..rag.retrieval import CONTEXT_WEIGHTS, conversation_context
 from .errors import Busy, RequestError, check_question
 from .uploads import Uploads
 
@@ -304,7 +305,12 @@ class AnswerService:
                 indexed = _indexed(rag, self.uploads.running)
                 if self.uploads.running:
                     notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
-                handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding)
+                context = conversation_context(job.history or [])  # a follow-up is looked up with what came before
+                if context:
+                    notes.append(f"retrieval also read {min(len(context), len(CONTEXT_WEIGHTS))} earlier message(s) "
+                                 "of the conversation")
+                handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding,
+                                       context=context)
                 retrieve_s = time.perf_counter() - t0
                 question = job.question + job.instruction
                 stream = (rag.stream_turns(job.history, question, handles, notes, tenant=job.tenant, **job.gen)
