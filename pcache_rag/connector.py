@@ -22,6 +22,34 @@ if TYPE_CHECKING:
 
 _EMBEDDER: list[Any] = []
 _EMBEDDER_LOCK = threading.Lock()
+_BATCH_LOCK = threading.Lock()
+_ASYNC_POOL: list[Any] = []
+#: worker threads for the connectors' async calls: each waits on the batch while its answer decodes, so
+#: there are as many as the batch takes answers (asyncio's default pool has cpu_count + 4: six here)
+ASYNC_THREADS = 32
+
+
+async def in_thread(fn, *args):
+    """``fn(*args)`` in a worker thread of the connectors' own pool (:data:`ASYNC_THREADS`), so
+    that as many async calls as the batch takes run at once."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _BATCH_LOCK:
+        if not _ASYNC_POOL:
+            _ASYNC_POOL.append(ThreadPoolExecutor(ASYNC_THREADS, thread_name_prefix="pcache-async"))
+    return await asyncio.get_running_loop().run_in_executor(_ASYNC_POOL[0], fn, *args)
+
+
+def share_batch(asm: Assembler) -> None:
+    """Start the continuous batch of ``asm``'s engine, once (the async calls' entry): concurrent
+    ``ainvoke``/``achat`` calls each run in a worker thread, and with the batch on their answers
+    decode together, one forward a token for all, instead of one call after another. Each answer
+    is the one it gets alone. A model that cannot batch (ALiBi) keeps answering one at a time."""
+    pc = asm.pc
+    with _BATCH_LOCK:
+        if pc.batch_stats() is None and not pc.batch_refusal:
+            pc.start_batching()
 
 
 def engine_key(model: str | None, index_dir: str | None = None, cache_dir: str | None = None) -> tuple[str | None, str | None]:

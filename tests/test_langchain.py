@@ -421,3 +421,28 @@ def test_structured_output_reads_the_documents_from_the_cache(smol):
         llm.with_structured_output(None)
     with pytest.raises(ValueError, match="'yaml' is not supported"):
         llm.invoke("hi", response_format={"type": "yaml"})
+
+
+def test_concurrent_ainvoke_calls_decode_together_and_answer_as_alone(smol, tmp_path):
+    """Eight ``ainvoke`` calls at once on one ChatPromptCache join the engine's continuous batch
+    (before, each ran alone in its thread, one after another): they decode together, and each
+    answer is exactly the one ``invoke`` gave alone. (Time: scripts/measure-async.py.)"""
+    from pcache_rag import PromptCache
+
+    pc = PromptCache(smol.model, smol.tokenizer)  # an engine of its own: the batch started here ends here
+    register_engine(pc, MODEL, str(tmp_path / "states"))
+    llm = ChatPromptCache(model=MODEL, cache_dir=str(tmp_path / "states"), max_tokens=12)
+    questions = [f"Say one short sentence about {w}." for w in
+                 ("rivers", "bread", "copper", "owls", "trains", "snow", "violins", "maps")]
+    alone = [llm.invoke(q).content for q in questions]
+    assert pc.batch_stats() is None
+
+    async def together():
+        return await asyncio.gather(*(llm.ainvoke(q) for q in questions))
+
+    try:
+        got = asyncio.run(together())
+        assert [m.content for m in got] == alone
+        assert pc.batch_stats()["max_batch_seen"] >= 2, pc.batch_stats()
+    finally:
+        pc.stop_batching()

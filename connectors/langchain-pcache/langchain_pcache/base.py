@@ -22,10 +22,11 @@ shares one engine per config in the process (:func:`pcache_rag.docmodules.shared
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.callbacks import (AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun,
+                                      CallbackManagerForRetrieverRun)
 from langchain_core.documents import BaseDocumentTransformer, Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.language_models.chat_models import BaseChatModel
@@ -313,6 +314,23 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         msg = AIMessage(content=out.text, usage_metadata=_usage(out), response_metadata=meta)
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)],
                           llm_output={"model_name": self.model, **out.stats()})
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        """:meth:`_generate` in a worker thread; concurrent calls decode together in the engine's
+        batch (:func:`pcache_rag.connector.share_batch`)."""
+        connector.share_batch(self._asm())
+        sync = run_manager.get_sync() if run_manager else None
+        return await connector.in_thread(lambda: self._generate(messages, stop, sync, **kwargs))
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        """:meth:`_stream` from worker threads; concurrent streams decode together in the batch."""
+        connector.share_batch(self._asm())
+        it = self._stream(messages, stop, run_manager.get_sync() if run_manager else None, **kwargs)
+        while (chunk := await connector.in_thread(next, it, None)) is not None:
+            yield chunk
 
     def _meta(self, out: CachedOutput) -> dict:
         return {"model_name": self.model, "model_provider": "pcache_rag", **out.stats()}

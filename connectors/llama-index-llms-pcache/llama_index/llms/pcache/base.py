@@ -241,25 +241,29 @@ class PromptCacheLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(lambda: list(self._complete_iter(prompt, formatted, kwargs))[-1])
+        connector.share_batch(self.assembler)  # concurrent calls decode together in the engine's batch
+        return await connector.in_thread(lambda: list(self._complete_iter(prompt, formatted, kwargs))[-1])
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        connector.share_batch(self.assembler)
         return _athread(self._complete_iter(prompt, formatted, kwargs))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(lambda: list(self._chat_iter(messages, kwargs))[-1])
+        connector.share_batch(self.assembler)
+        return await connector.in_thread(lambda: list(self._chat_iter(messages, kwargs))[-1])
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        connector.share_batch(self.assembler)
         return _athread(self._chat_iter(messages, kwargs))
 
 
 async def _athread(it) -> AsyncGenerator:
     """Advance a blocking generator in worker threads (the engine allows that)."""
     while True:
-        item = await asyncio.to_thread(next, it, None)
+        item = await connector.in_thread(next, it, None)
         if item is None:
             return
         yield item
