@@ -446,3 +446,18 @@ def test_concurrent_ainvoke_calls_decode_together_and_answer_as_alone(smol, tmp_
         assert pc.batch_stats()["max_batch_seen"] >= 2, pc.batch_stats()
     finally:
         pc.stop_batching()
+
+
+def test_token_counts_agree_with_the_answers_usage_when_documents_are_in_the_prompt(smol):
+    """Documents pasted into a message are tokenized on their own (each with its blank line), so
+    a count of the whole message as one text was off (88 against the answer's 86 in the issue):
+    get_num_tokens_from_messages now reads the prompt as the answer does, to the token."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    llm = ChatPromptCache(model=MODEL, cache_dir=STATES, max_tokens=2)
+    docs = "\n\n".join(f"{name}: {text}" for name, text in FACTS.items())
+    for msgs in ([SystemMessage(f"Answer from the documents.\n\n{docs}"), HumanMessage("What is the north gate code?")],
+                 [HumanMessage(f"Context:\n{docs}\n\nQuestion: What is the capital of Japan?\nAnswer:")]):
+        out = llm.invoke(msgs)
+        assert out.response_metadata["documents"] >= 1, out.response_metadata
+        assert llm.get_num_tokens_from_messages(msgs) == out.usage_metadata["input_tokens"]

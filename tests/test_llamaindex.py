@@ -208,6 +208,7 @@ def test_default_recompute_is_the_rag_default(smol):
     prompt = f"Context:\n{docs}\n\nQuestion: What is the access code for the north gate?"
     auto = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6)
     assert auto.recompute == "auto"
+    auto.complete(prompt)  # a first sight computes the documents with the prompt: nothing to recompute yet
     a = auto.complete(prompt).additional_kwargs
     b = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=6, recompute=None).complete(prompt).additional_kwargs
     assert a["documents"] == b["documents"] == 2

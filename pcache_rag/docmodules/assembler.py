@@ -173,11 +173,15 @@ class Assembler(DocumentStates):
                 out.append(Segment(text[at:], "text"))
         return out
 
-    def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
-        """Token ids and states for ``segments``: the prefix and the documents from the store
-        (encoded now if missing), the rest as new tokens."""
-        uncached = list(getattr(segments, "uncached", ()))
-        tenant = getattr(segments, "tenant", "")
+    def count_tokens(self, segments: Sequence[Segment]) -> int:
+        """The prompt tokens ``segments`` make, exactly as :meth:`plan` reads them (and as an
+        answer's usage counts them): nothing is encoded or kept."""
+        return len(bos_ids(self.tokenizer)) + sum(len(read) for _, read, _ in self._pieces(segments))
+
+    def _pieces(self, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
+        """``segments`` as pieces ``(kind, ids the prompt reads, ids whose stored states hold them)``,
+        kind ``"plain"``, ``"document"`` or ``"cut"``: plain runs tokenized together, each document
+        on its own (with its separator where the prompt has it; else a head of its stored states)."""
         # 1. group: plain runs tokenized together; documents with the separator after them where
         # the prompt has it (else their states without it, and what follows is read as written)
         groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
@@ -199,25 +203,33 @@ class Assembler(DocumentStates):
                     groups.append(("plain", []))
                 groups[-1][1].append((s.text, s.kind == "markup"))
             i += 1
-        n_docs = sum(1 for g in groups if g[0] == "document")
-        if n_docs:
+        if any(g[0] == "document" for g in groups):
             groups = [g for g in groups if g[0] != "cut"]
-        # 2. ids per group; the prefix is everything before the first document (or the cut).
-        # A piece is (kind, ids the prompt reads, ids whose stored states hold them): a document
-        # read without its separator reads a head of its stored states.
+        # 2. ids per group. A document read without its separator reads a head of its stored states.
         pieces: list[tuple[str, list[int], list[int]]] = []
         for kind, body in groups:
             if kind == "document":
                 stored = self.doc_ids(body[0])
                 read = stored if body[1] else self.doc_body(stored, body[0])
                 pieces.append(("document", read, stored if read == stored[: len(read)] else read))
-                # found unmarked in this tenant's next prompts (this process only: nothing is journalled)
-                self.learned.known(tenant).add(body[0])
             elif kind == "cut":
                 pieces.append(("cut", [], []))
             else:
                 ids = self.safe.segments(body)
                 pieces.append(("plain", ids, ids))
+        return pieces
+
+    def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
+        """Token ids and states for ``segments``: the prefix and the documents from the store
+        (encoded now if missing), the rest as new tokens."""
+        uncached = list(getattr(segments, "uncached", ()))
+        tenant = getattr(segments, "tenant", "")
+        pieces = self._pieces(segments)
+        n_docs = sum(1 for p in pieces if p[0] == "document")
+        for s in segments:  # found unmarked in this tenant's next prompts (this process only: nothing is journalled)
+            if s.kind == "document":
+                self.learned.known(tenant).add(s.text)
+        # the prefix is everything before the first document (or the cut)
         bos = bos_ids(self.tokenizer)
         first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
         prefix = bos + [t for _, ids, _ in pieces[:first] for t in ids]

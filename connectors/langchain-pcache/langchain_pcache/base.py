@@ -225,16 +225,14 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Prompt tokens of ``messages`` through the model's own chat template, generation
-        prompt included (what ``usage_metadata["input_tokens"]`` reports for a chat without
-        documents); ``trim_messages(token_counter=llm)`` uses it."""
+        prompt included, read as an answer reads them (its documents found and tokenized on their
+        own): exactly what the answer's ``usage_metadata["input_tokens"]`` reports.
+        ``trim_messages(token_counter=llm)`` uses it."""
         if tools:
             raise NotImplementedError("ChatPromptCache does not support tool calling, so it cannot count tools")
-        from pcache_rag.pml import bos_ids
-
         asm = self._asm()
-        segs = asm.message_segments([(_role(m), _content(m)) for m in messages], discover=False)
-        pairs = [(seg.text, seg.kind == "markup") for seg in segs if seg.kind != "cut" and seg.text]
-        return len(bos_ids(asm.tokenizer)) + len(asm.safe.segments(pairs))
+        turns = [(_role(m), _content(m)) for m in messages]
+        return asm.count_tokens(asm.message_segments(turns, learn=self.learn_documents, tenant=self.namespace))
 
     def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
