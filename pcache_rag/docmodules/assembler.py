@@ -309,7 +309,8 @@ class Assembler(DocumentStates):
 
     def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
         prep = time.perf_counter() - t0
-        stream = self.pc.stream(Parts(plan.parts, plan.new_ids, preamble="prefix"), recompute=resolve_auto(recompute), params=gen)
+        policy = resolve_auto(recompute, structured=gen.grammar is not None)
+        stream = self.pc.stream(Parts(plan.parts, plan.new_ids, preamble="prefix"), recompute=policy, params=gen)
         try:
             yield from stream
         finally:

@@ -264,12 +264,13 @@ class Index:
         return resolve_calibration(asked, manifest, fingerprint)
 
     @staticmethod
-    def recompute(asked: str | None, calibration: str | None) -> str | None:
+    def recompute(asked: str | None, calibration: str | None, structured: bool = False) -> str | None:
         """The recompute policy answers use (None: the engine's default); ``"auto"`` resolves
-        against the calibration in force (:func:`pcache_rag.recompute.resolve_auto`)."""
+        against the calibration in force, and for ``structured`` answers
+        (:func:`pcache_rag.recompute.resolve_auto`)."""
         from ..recompute import resolve_auto
 
-        rc = resolve_auto(asked, calibration)
+        rc = resolve_auto(asked, calibration, structured)
         return None if rc is None else str(rc)
 
     # ------------------------------------------------------------------ the engine over its states
