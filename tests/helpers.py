@@ -297,6 +297,13 @@ def pdf_bomb(path, inflated_bytes: int) -> None:
             b"/Resources << /Font << /F1 5 0 R >> >> >>",
             b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
             b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    with open(path, "wb") as f:
+        f.write(pdf_bytes(objs))
+
+
+def pdf_bytes(objs: list[bytes]) -> bytes:
+    """A PDF file of ``objs`` (object bodies, numbered from 1; object 1 is the catalog), with its
+    cross-reference table: what hostile-PDF tests build their files from."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for i, body in enumerate(objs, 1):
@@ -306,8 +313,7 @@ def pdf_bomb(path, inflated_bytes: int) -> None:
     out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
     out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
-    with open(path, "wb") as f:
-        f.write(out)
+    return bytes(out)
 
 
 class RedisServer:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import RedisServer, docx_bomb, free_port, wait_until
+from helpers import RedisServer, docx_bomb, free_port, pdf_bytes, wait_until
 
 pytestmark = pytest.mark.real_model
 
@@ -169,21 +169,6 @@ def test_state_files_truncated_or_bit_flipped_are_detected_and_re_encoded(built,
 # ------------------------------------------------------------------ hostile files (quick: the reader alone)
 
 
-def _pdf(objs: list[bytes]) -> bytes:
-    """A PDF file of ``objs`` (object bodies, numbered from 1; object 1 is the catalog)."""
-    out = bytearray(b"%PDF-1.7\n")
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
-    for o in offsets:
-        out += b"%010d 00000 n \n" % o
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
-    return bytes(out)
-
-
 def _hostile(d: Path) -> dict[str, str]:
     """Hostile files in ``d``: name -> the words their refusal must contain."""
     d.mkdir(parents=True, exist_ok=True)
@@ -193,7 +178,7 @@ def _hostile(d: Path) -> dict[str, str]:
     laughs = "<!DOCTYPE html [\n" + "\n".join(ents) + "\n]>\n<html><body><p>&lol9;</p></body></html>\n"
     (d / "laughs.html").write_text(laughs)
     (d / "laughs.xhtml").write_text('<?xml version="1.0"?>\n' + laughs)
-    (d / "cycle.pdf").write_bytes(_pdf([b"<< /Type /Catalog /Pages 2 0 R >>",
+    (d / "cycle.pdf").write_bytes(pdf_bytes([b"<< /Type /Catalog /Pages 2 0 R >>",
                                         b"<< /Type /Pages /Kids [2 0 R 3 0 R] /Count 2 >>",
                                         b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /MediaBox [0 0 9 9] >>",
                                         b"[4 0 R 4 0 R]"]))
