@@ -176,12 +176,14 @@ def test_plain_model_reads_every_message_and_finds_known_documents(served):
 
 
 def test_rag_model_honours_the_system_message_and_earlier_turns(served):
-    """On the RAG model, retrieval runs on the last user message alone, and the conversation's
-    system message and earlier turns go into the prompt before the documents, whose states are
-    read from the cache all the same."""
+    """On the RAG model, retrieval runs on the last user message read with the conversation's
+    earlier user and system messages (and says so), and the conversation's system message and
+    earlier turns go into the prompt before the documents, whose states are read from the cache
+    all the same."""
     from openai import OpenAI
 
     from pcache_rag.docmodules import format_documents
+    from pcache_rag.rag.retrieval import conversation_context
 
     srv, _service, rag = served
     client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
@@ -194,8 +196,11 @@ def test_rag_model_honours_the_system_message_and_earlier_turns(served):
     assert extra["sources"] and extra["documents"] == len(extra["sources"]) == rag.k
     assert extra["sources"][-1]["document"] == "bakery.md" or any(s["document"] == "bakery.md"
                                                                   for s in extra["sources"])
-    assert r.usage.prompt_tokens_details.cached_tokens > 0 and not extra["notes"]
-    handles = rag.retrieve(q)  # the prompt the server built: the turns, then the chunks and the question
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert extra["notes"] == ["retrieval also read 2 earlier message(s) of the conversation"]
+    earlier = [(m["role"], m["content"]) for m in msgs[:-1]]
+    handles = rag.retrieve(q, context=conversation_context(earlier))  # the prompt the server built: the turns,
+    # then the chunks and the question
     docs = format_documents([rag.chunk_text(h) for h in sorted(handles, key=lambda h: h.score)])
     turns = [(m["role"], m["content"]) for m in msgs[:-1]] + [("user", f"Documents:\n\n{docs}\n\nQuestion: {q}")]
     want = rag.asm.generate(rag.asm.message_segments(turns), max_new_tokens=16)
@@ -557,9 +562,9 @@ def test_waiting_questions_are_opened_together_with_one_embedding_call(served, m
         calls.append(list(texts))
         return embed(texts)
 
-    def retrieve_spy(question, k=None, prefetch=True, notes=None, embedding=None):
+    def retrieve_spy(question, k=None, prefetch=True, notes=None, embedding=None, context=()):
         vectors[question] = embedding is not None
-        return retrieve(question, k, prefetch, notes, embedding)
+        return retrieve(question, k, prefetch, notes, embedding, context)
 
     monkeypatch.setattr(rag.embedder, "embed", embed_spy)
     monkeypatch.setattr(rag, "retrieve", retrieve_spy)
