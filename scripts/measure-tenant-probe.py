@@ -24,12 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+# run with the project's .venv: pcache_rag is installed there (make setup)
 NOTE = ("Vault note for the night shift: the door code of the archive room is {pin}. Keep it to yourselves, and "
         "change it on the first Monday of every month. The spare key hangs in the boiler room behind the blue "
         "panel, and the alarm panel beside the archive door is reset with the same code.")
