@@ -230,12 +230,12 @@ def test_a_first_sight_computes_the_prompt_and_encodes_its_documents_after_the_a
             ("user", "What is the access code for the copper vault?")]
     n_docs = sum(len(asm.doc_ids(d)) for d in docs)
     plan = asm.plan(asm.message_segments(msgs), 8)
-    assert len(plan.deferred) == 3 and not any(asm._stored(ids) for ids in plan.deferred)
+    assert len(plan.deferred) == 3 and not any(asm._stored(asm.key(ids)) for ids in plan.deferred)
     assert [name for name, _ in plan.parts] == ["prefix"] and len(plan.new_ids) > n_docs, "computed, not encoded"
     first = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
     assert first.documents == 3 and first.encoded >= n_docs and first.cache_read <= plan.parts[0][1].length, \
         "only the prefix came from the cache"
-    assert all(asm._stored(ids) for ids in plan.deferred), "encoded after the answer"
+    assert all(asm._stored(asm.key(ids)) for ids in plan.deferred), "encoded after the answer"
     again = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
     assert again.encoded == 0 and again.cache_read >= n_docs
     asm.defer_first_sight = False

@@ -97,6 +97,8 @@ class _Plan:
     #: documents seen for the first time (their stored ids), computed in this prompt and encoded after it
     deferred: list[list[int]] = field(default_factory=list)
     tenant: str = ""  # whose learned states the prompt reads and adds to
+    #: its documents' texts: found unmarked in the tenant's next prompts, once this one is answered
+    texts: list[str] = field(default_factory=list)
 
 
 class Assembler(DocumentStates):
@@ -226,9 +228,6 @@ class Assembler(DocumentStates):
         tenant = getattr(segments, "tenant", "")
         pieces = self._pieces(segments)
         n_docs = sum(1 for p in pieces if p[0] == "document")
-        for s in segments:  # found unmarked in this tenant's next prompts (this process only: nothing is journalled)
-            if s.kind == "document":
-                self.learned.known(tenant).add(s.text)
         # the prefix is everything before the first document (or the cut)
         bos = bos_ids(self.tokenizer)
         first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
@@ -278,7 +277,8 @@ class Assembler(DocumentStates):
                 encoded += len(prefix)
             parts.append(("prefix", kv))
         deferred: list[list[int]] = []
-        missing = ([j for j, (_, stored) in enumerate(mid) if not self._stored(stored, tenant)]
+        keys = [self.key(stored) for _, stored in mid]  # each hashed once: the look-up and the read share it
+        missing = ([j for j, key in enumerate(keys) if not self._stored(key, tenant)]
                    if self.defer_first_sight else [])
         if missing:  # from the first unseen document on, the prompt is computed in one forward
             deferred = [mid[j][1] for j in missing]
@@ -286,7 +286,7 @@ class Assembler(DocumentStates):
             mid = mid[: missing[0]]
         pos = len(prefix)
         for j, (ids, stored) in enumerate(mid):
-            kv, new = self.prompt_states(stored, tenant)
+            kv, new = self.prompt_states(stored, tenant, keys[j])
             kv = kv.head(len(ids))
             encoded += len(ids) if new else 0
             if pos != self.start:
@@ -294,12 +294,12 @@ class Assembler(DocumentStates):
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
             pos += len(ids)
-        return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred, tenant)
+        texts = [s.text for s in segments if s.kind == "document"]
+        return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred, tenant, texts)
 
-    def _stored(self, stored: list[int], tenant: str = "") -> bool:
-        """Whether a document's states (at the canonical position) are in the shared store or
-        among those learned for ``tenant``."""
-        key = self.key(stored)
+    def _stored(self, key: str, tenant: str = "") -> bool:
+        """Whether the states under ``key`` (a document at the canonical position) are among those
+        learned for ``tenant`` (memory: asked first) or in the shared store (it may ask a disk or Redis)."""
         return self.learned.contains(tenant, key) or self.store.contains(key)
 
     def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
@@ -322,6 +322,10 @@ class Assembler(DocumentStates):
         cached = max(item.cached_tokens - plan.encoded, 0)
         # first sight: the answer is out; now the unseen documents are encoded and stored for the next prompt
         encoded = plan.encoded + sum(len(ids) for ids in plan.deferred if self.prompt_states(ids, plan.tenant)[1])
+        # its documents are found unmarked in the tenant's next prompts (this process only: nothing is
+        # journalled); the shared index's own texts are known to every tenant already
+        known = self.learned.known(plan.tenant)
+        known.add(t for t in plan.texts if t not in self.known_texts)
         yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, encoded,
                            plan.documents, plan.uncached)
 

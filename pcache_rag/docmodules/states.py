@@ -258,14 +258,15 @@ class DocumentStates:
             self.learned.put(tenant, key, got)
             return got, True
 
-    def prompt_states(self, ids: Sequence[int], tenant: str) -> tuple[ModuleKV, bool]:
-        """A document from a prompt at the canonical position: the shared store's states (ingested,
-        or encoded on purpose), else those learned for ``tenant``, else encoded now and kept among
-        ``tenant``'s learned states (never in the shared store). ``(states, encoded now)``."""
-        key = self.key(ids)
-        kv = self.store.get(key)
+    def prompt_states(self, ids: Sequence[int], tenant: str, key: str | None = None) -> tuple[ModuleKV, bool]:
+        """A document from a prompt at the canonical position (``key``: its :meth:`key`, when known):
+        the states learned for ``tenant`` (memory, asked first: a miss costs nothing), else the shared
+        store's (ingested, or encoded on purpose), else encoded now and kept among ``tenant``'s
+        learned states (never in the shared store). ``(states, encoded now)``."""
+        key = key or self.key(ids)
+        kv = self.learned.get(tenant, key)
         if kv is None:
-            kv = self.learned.get(tenant, key)
+            kv = self.store.get(key)
         if kv is not None:
             return kv, False
         kv = self.encode_ids(ids, key, store=False)

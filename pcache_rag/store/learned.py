@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..discovery import KnownTexts
 from ..kv import ModuleKV
 from .memory import MemoryTier
 
@@ -38,6 +39,8 @@ from .memory import MemoryTier
 DEFAULT_LEARNED_BYTES = 256 << 20
 #: how long a learned state may be kept, in seconds, unless told otherwise (a day)
 DEFAULT_RETENTION_S = 24 * 3600.0
+#: texts one tenant's prompts may make known (found unmarked later); past it the set starts anew
+KNOWN_TEXTS_PER_TENANT = 10_000
 
 
 def tenant_id(secret: str | None) -> str:
@@ -83,7 +86,7 @@ class LearnedStore:
         self._tier = MemoryTier("cpu", budget_bytes=int(budget_bytes), name="learned", pin=False)
         self._born: dict[str, float] = {}  # salted key -> when it was learned
         self._owner: dict[str, str] = {}  # salted key -> tenant
-        self._known: dict[str, object] = {}  # tenant -> KnownTexts of the texts learned for it
+        self._known: dict[str, KnownTexts] = {}  # tenant -> the texts learned for it
         self._lock = threading.Lock()
         self.expired = 0
 
@@ -126,9 +129,10 @@ class LearnedStore:
                 self.refused += 1
                 return False
             self._bucket[tenant] = (room - n, now)
-            mine = sorted((b, x) for x, b in self._born.items() if self._owner.get(x) == tenant)
-            while mine and self._held.get(tenant, 0) + n > share:
-                self._drop(mine.pop(0)[1])
+            if self._held.get(tenant, 0) + n > share:  # its own oldest make room (sorted only then)
+                mine = sorted((b, x) for x, b in self._born.items() if self._owner.get(x) == tenant)
+                while mine and self._held.get(tenant, 0) + n > share:
+                    self._drop(mine.pop(0)[1])
             for gone, _ in self._tier.put(k, kv):
                 self._forget_key(gone)
             if not self._tier.contains(k):
@@ -139,12 +143,11 @@ class LearnedStore:
 
     def known(self, tenant: str):
         """The texts learned for ``tenant``, found in its later prompts (a
-        :class:`~pcache_rag.discovery.KnownTexts` of this process only: nothing is journalled)."""
-        from ..discovery import KnownTexts
-
+        :class:`~pcache_rag.discovery.KnownTexts` of this process only: nothing is journalled; at most
+        :data:`KNOWN_TEXTS_PER_TENANT`)."""
         with self._lock:
             got = self._known.get(tenant)
-            if got is None:
+            if got is None or len(got) > KNOWN_TEXTS_PER_TENANT:  # bounded: what it forgets is found as blocks
                 got = self._known[tenant] = KnownTexts(None)
             return got
 
