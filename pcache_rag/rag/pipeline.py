@@ -270,9 +270,9 @@ class CachedRAG:
             handles = self.retrieve(question, k)
         t_ret = time.perf_counter() - t0
         q_ids = self.fit_question(question, handles, gen)
-        structured = gen.get("grammar") is not None and "recompute" not in gen
-        gen = answer_settings(gen, self.folder.recompute(self._recompute_arg, self.calibration[0], structured)
-                              if structured else self.recompute, self.calibration[0])
+        calibration = self.calibration[0]
+        structured = gen.get("grammar") is not None  # "auto" is each:1 for a structured answer
+        gen = answer_settings(gen, self.folder.recompute(self._recompute_arg, calibration, structured), calibration)
         return handles, Parts(self.chunks.parts(handles), q_ids, "preamble", gen.pop("calibration")), gen, t_ret
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],

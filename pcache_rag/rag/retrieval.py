@@ -39,8 +39,10 @@ CONTEXT_CHARS = 1000
 
 def conversation_context(turns: Sequence[tuple[str, str]]) -> list[str]:
     """The texts of a conversation's earlier ``(role, text)`` turns that retrieval reads: user
-    and system messages (an answer may be wrong, and repeats the documents), most recent first."""
-    return [t[:CONTEXT_CHARS] for role, t in reversed(turns) if role in ("user", "system") and t.strip()]
+    and system messages (an answer may be wrong, and repeats the documents), most recent first, as
+    many as :data:`CONTEXT_WEIGHTS` weighs."""
+    texts = [t[:CONTEXT_CHARS] for role, t in reversed(turns) if role in ("user", "system") and t.strip()]
+    return texts[: len(CONTEXT_WEIGHTS)]
 
 
 def with_context(embedder: MiniLMEmbedder, question: str, context: Sequence[str],

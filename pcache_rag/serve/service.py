@@ -33,7 +33,7 @@ from ..engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_TOKENS
 from ..engine.watchdog import DEFAULT_STALL_S
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
-from ..rag.retrieval import CONTEXT_WEIGHTS, conversation_context
+from ..rag.retrieval import conversation_context
 from .errors import Busy, RequestError, check_question
 from .uploads import Uploads
 
@@ -307,8 +307,7 @@ class AnswerService:
                     notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
                 context = conversation_context(job.history or [])  # a follow-up is looked up with what came before
                 if context:
-                    notes.append(f"retrieval also read {min(len(context), len(CONTEXT_WEIGHTS))} earlier message(s) "
-                                 "of the conversation")
+                    notes.append(f"retrieval also read {len(context)} earlier message(s) of the conversation")
                 handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding,
                                        context=context)
                 retrieve_s = time.perf_counter() - t0
