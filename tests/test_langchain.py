@@ -78,10 +78,13 @@ class TestChatUnit(ChatModelUnitTests):
 # cut-off object and the tests would pass on half an answer. Each standard test runs once,
 # in one of the two classes (conftest.py deselects it from the other).
 STRUCTURED = ("test_structured_output", "test_json_mode")
+# The tool-calling tests likewise run in their own class, with room for a whole call (96 tokens).
+TOOLS = ("test_tool_", "test_bind_runnables_as_tools", "test_agent_loop", "test_unicode_tool_call",
+         "test_structured_few_shot_examples")
 
 
 class TestChatIntegration(ChatModelIntegrationTests):
-    standard_tests_except = STRUCTURED
+    standard_tests_except = STRUCTURED + TOOLS
 
     @property
     def chat_model_class(self):
@@ -153,6 +156,34 @@ class TestChatStructuredOutput(TestChatIntegration):
         return True
 
 
+class TestChatToolCalling(TestChatIntegration):
+    """The suite's tool-calling tests. ``tool_choice_value="any"``: the suite forces a call where
+    the model may not choose one itself; SmolLM2-135M never opens a call under ``"auto"``
+    (docs/guide.md, "Tool calling"), so every call the suite checks is one the grammar required
+    and the model wrote the arguments of."""
+
+    standard_tests_except = ()
+    standard_tests_only = TOOLS
+
+    @property
+    def chat_model_params(self):
+        return {"model": MODEL, "cache_dir": STATES, "max_tokens": 96}
+
+    @property
+    def standard_chat_model_params(self):
+        return {"temperature": 0, "max_tokens": 96, "stop": []}
+
+    @property
+    def tool_choice_value(self):
+        return "any"
+
+    @pytest.mark.xfail(reason="the suite binds its tool with tool_choice 'auto', and SmolLM2-135M never opens a call "
+                              "by itself (0 of 6 prompts that asked for a tool); forced calls and tool_plan agents are "
+                              "tested in test_agents.py", strict=True)
+    def test_agent_loop(self, model):
+        super().test_agent_loop(model)
+
+
 def test_missing_index_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="ingest"):
         PromptCacheRetriever(index_dir=str(tmp_path / "typo"))
@@ -171,10 +202,10 @@ def test_chat_params_refused_or_honoured(smol):
     stopped = llm.invoke("Count: one, two, three,", stop=[","])
     assert "," not in stopped.content and len(stopped.content) <= len(greedy.content)
     assert greedy.response_metadata["ttft_s"] > 0 and greedy.usage_metadata["output_tokens"] >= 1
-    from langchain_core.messages import ToolMessage
+    from langchain_core.messages import FunctionMessage
 
-    with pytest.raises(NotImplementedError, match="tool"):
-        llm.invoke([ToolMessage(content="3", tool_call_id="x")])
+    with pytest.raises(NotImplementedError, match="FunctionMessage"):  # the legacy form; ToolMessage is read
+        llm.invoke([FunctionMessage(content="3", name="f")])
 
 
 def test_default_recompute_is_the_rag_default(smol):

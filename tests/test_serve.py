@@ -304,8 +304,11 @@ def test_errors_carry_openai_param_and_code(served):
     r = httpx.post(u + "/completions", json={"model": "pcache-rag", "prompt": "x", "temperature": 9})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = httpx.post(u + "/chat/completions", json={"model": "pcache-rag-plain", "messages": [
-        {"role": "tool", "content": "x"}, {"role": "user", "content": "y"}]})
-    assert r.status_code == 400 and "role 'tool'" in r.json()["error"]["message"]
+        {"role": "user", "content": "y"}], "functions": [{"name": "f", "parameters": {}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions"
+    r = httpx.post(u + "/chat/completions", json={"model": "pcache-rag-plain", "messages": [
+        {"role": "function", "content": "x"}, {"role": "user", "content": "y"}]})
+    assert r.status_code == 400 and "role 'function'" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------- the page's API
@@ -841,3 +844,59 @@ def test_recursive_schemas_are_refused_before_they_take_a_slot(served):
     assert all("recursive" in r.json()["error"]["message"] for r in got), got[0].text
     assert service.stats()["queue"]["answering"] == before["answering"] == 0
     assert chat(srv.url, QUESTIONS[0]).status_code == 200
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CODE_TOOL = {"type": "function", "function": {"name": "gate_code", "description": "The access code of a gate.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "gate": {"type": "string"}}, "required": ["gate"]}}}
+
+
+def test_tools_through_the_openai_client(served):
+    """``tools`` on the plain model: a forced call comes back as ``tool_calls`` (whole and streamed,
+    the same call), the tool's result goes back in a ``tool`` message and the answer reads the
+    earlier prompt from the cache; the RAG model refuses tools by name."""
+    from openai import OpenAI
+
+    srv, _service, _rag = served
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "system", "content": "You are a careful assistant for the site's staff."},
+            {"role": "user", "content": "What is 12 plus 30? Use the add tool."}]
+    kw = {"model": "pcache-rag-plain", "tools": [ADD_TOOL, CODE_TOOL], "temperature": 0, "max_tokens": 48}
+    r = client.chat.completions.create(messages=msgs, tool_choice="required", **kw)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.id.startswith("call_")
+    assert call.function.name in ("add", "gate_code") and isinstance(json.loads(call.function.arguments), dict)
+    named = client.chat.completions.create(messages=msgs, tool_choice={"type": "function",
+                                                                       "function": {"name": "add"}}, **kw)
+    ncall = named.choices[0].message.tool_calls[0]
+    assert ncall.function.name == "add" and set(json.loads(ncall.function.arguments)) == {"a", "b"}
+
+    stream = client.chat.completions.create(messages=msgs, tool_choice="add", stream=True, **kw)
+    names, args, finish = [], "", None
+    for ch in stream:
+        if not ch.choices:
+            continue
+        for tc in ch.choices[0].delta.tool_calls or []:
+            names += [tc.function.name] if tc.function.name else []
+            args += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert names == ["add"] and json.loads(args) == json.loads(ncall.function.arguments) and finish == "tool_calls"
+
+    # the round trip: the call and its result in the conversation; the earlier prompt is read from the cache
+    result = json.loads(ncall.function.arguments)
+    follow = [*msgs, {"role": "assistant", "content": None, "tool_calls": [ncall.model_dump()]},
+              {"role": "tool", "tool_call_id": ncall.id, "content": str(result["a"] + result["b"])}]
+    r2 = client.chat.completions.create(messages=follow, **kw)
+    assert r2.choices[0].finish_reason in ("stop", "length") and not r2.choices[0].message.tool_calls
+    assert r2.choices[0].message.content
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0.5 * r2.usage.prompt_tokens
+
+    u = srv.url + "/v1/chat/completions"
+    r = httpx.post(u, json={"model": "pcache-rag", "messages": msgs, "tools": [ADD_TOOL]})
+    assert r.status_code == 400 and "plain model" in r.json()["error"]["message"]
+    r = httpx.post(u, json={**kw, "messages": msgs, "tool_choice": "mul"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = httpx.post(u, json={**kw, "messages": msgs, "tools": [{"type": "function", "function": {"name": "a b"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

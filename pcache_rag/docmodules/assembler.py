@@ -58,6 +58,7 @@ from ..recompute import resolve_auto
 from ..store import unit_key
 from .marks import DOC_SEPARATOR, ROLES, PCacheFallbackWarning, Segment, Segments, split_marked
 from .states import DocumentStates
+from .turns import extend_prefix, turn_key, turn_states
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ class Assembler(DocumentStates):
 
     def _pieces(self, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
         """``segments`` as pieces ``(kind, ids the prompt reads, ids whose stored states hold them)``,
-        kind ``"plain"``, ``"document"`` or ``"cut"``: plain runs tokenized together, each document
+        kind ``"plain"`` (``"turn"`` when it holds chat markup), ``"document"`` or ``"cut"``: plain runs
+        tokenized together, each document
         on its own (with its separator where the prompt has it; else a head of its stored states)."""
         # 1. group: plain runs tokenized together; documents with the separator after them where
         # the prompt has it (else their states without it, and what follows is read as written)
@@ -205,8 +207,6 @@ class Assembler(DocumentStates):
                     groups.append(("plain", []))
                 groups[-1][1].append((s.text, s.kind == "markup"))
             i += 1
-        if any(g[0] == "document" for g in groups):
-            groups = [g for g in groups if g[0] != "cut"]
         # 2. ids per group. A document read without its separator reads a head of its stored states.
         pieces: list[tuple[str, list[int], list[int]]] = []
         for kind, body in groups:
@@ -216,9 +216,9 @@ class Assembler(DocumentStates):
                 pieces.append(("document", read, stored if read == stored[: len(read)] else read))
             elif kind == "cut":
                 pieces.append(("cut", [], []))
-            else:
+            else:  # a run that holds chat markup is part of the conversation: a "turn"
                 ids = self.safe.segments(body)
-                pieces.append(("plain", ids, ids))
+                pieces.append(("turn" if any(markup for _, markup in body) else "plain", ids, ids))
         return pieces
 
     def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
@@ -230,12 +230,21 @@ class Assembler(DocumentStates):
         n_docs = sum(1 for p in pieces if p[0] == "document")
         # the prefix is everything before the first document (or the cut)
         bos = bos_ids(self.tokenizer)
-        first = next((j for j, p in enumerate(pieces) if p[0] in ("document", "cut")), len(pieces))
+        docs_at = [j for j, p in enumerate(pieces) if p[0] == "document"]
+        cut_at = next((j for j, p in enumerate(pieces) if p[0] == "cut"), len(pieces))
+        first = docs_at[0] if docs_at else cut_at
         prefix = bos + [t for _, ids, _ in pieces[:first] for t in ids]
-        body = [p for p in pieces[first:] if p[0] != "cut"]
-        last = max((j for j, p in enumerate(body) if p[0] == "document"), default=-1)
-        tail = [t for _, ids, _ in body[last + 1 :] for t in ids]
-        mid = [(ids, stored) for _, ids, stored in body[: last + 1] if ids]
+        # before documents, the text up to the cut (the first system message) is a prefix of its own
+        # too: a prompt whose longer prefix is new reads it and computes only the rest (turns.extend_prefix)
+        head = bos + [t for _, ids, _ in pieces[:cut_at] for t in ids] if cut_at < first else None
+        # a turn between documents (chat markup and what a message says around them) is read in its
+        # context (turns.turn_states); plain text between documents is a module like them
+        body = [(ids, stored, kind == "document", kind == "turn") for kind, ids, stored in pieces[first:]
+                if kind != "cut"]
+        last = max((j for j, p in enumerate(body) if p[2]), default=-1)
+        tail = [t for ids, *_ in body[last + 1 :] for t in ids]
+        mid = [(ids, stored) for ids, stored, _, _ in body[: last + 1] if ids]
+        in_context = [turn for ids, _, _, turn in body[: last + 1] if ids]
         if not tail:  # a prompt that ends with a document: its last piece is computed
             if mid:
                 tail = mid.pop()[0]
@@ -268,6 +277,9 @@ class Assembler(DocumentStates):
             shared = prefix == self.base_ids
             key = self.base_key if shared else unit_key(self.fingerprint, prefix, range(len(prefix)), None, "prefix")
             kv = self.store.get(key) if shared else self.learned.get(tenant, key)
+            if kv is None and not shared and head and len(head) < len(prefix):
+                kv = extend_prefix(self, head, prefix, key, tenant)
+                encoded += len(prefix) - len(head) if kv is not None else 0
             if kv is None:
                 kv = self.encoder.encode(prefix, list(range(len(prefix)))).to(dtype=self.store_dtype)
                 if shared:
@@ -276,9 +288,10 @@ class Assembler(DocumentStates):
                     self.learned.put(tenant, key, kv)
                 encoded += len(prefix)
             parts.append(("prefix", kv))
+        names = [key] if prefix else []  # what each part is (its store key, and where it sits)
         deferred: list[list[int]] = []
         keys = [self.key(stored) for _, stored in mid]  # each hashed once: the look-up and the read share it
-        missing = ([j for j, key in enumerate(keys) if not self._stored(key, tenant)]
+        missing = ([j for j, key in enumerate(keys) if not in_context[j] and not self._stored(key, tenant)]
                    if self.defer_first_sight else [])
         if missing:  # from the first unseen document on, the prompt is computed in one forward
             deferred = [mid[j][1] for j in missing]
@@ -286,6 +299,14 @@ class Assembler(DocumentStates):
             mid = mid[: missing[0]]
         pos = len(prefix)
         for j, (ids, stored) in enumerate(mid):
+            if in_context[j]:
+                name = turn_key(self.fingerprint, ids, pos, names)
+                kv, new = turn_states(self, ids, pos, parts, name, tenant)
+                encoded += len(ids) if new else 0
+                parts.append((f"turn{j}", kv))
+                names.append(name)
+                pos += len(ids)
+                continue
             kv, new = self.prompt_states(stored, tenant, keys[j])
             kv = kv.head(len(ids))
             encoded += len(ids) if new else 0
@@ -293,6 +314,7 @@ class Assembler(DocumentStates):
                 kv, new = self.place(kv, pos, tenant)
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
+            names.append(f"{keys[j]}@{pos}")
             pos += len(ids)
         texts = [s.text for s in segments if s.kind == "document"]
         return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred, tenant, texts)

@@ -15,7 +15,7 @@ DOC_OPEN = "\ue000"
 DOC_CLOSE = "\ue001"
 #: what :func:`format_documents` puts between documents (and what ingest encodes after each)
 DOC_SEPARATOR = "\n\n"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 #: opens the documents in a RAG prompt's user turn (the end of the RAG preamble)
 DOCUMENTS_HEADER = "Documents:\n\n"

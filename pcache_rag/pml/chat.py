@@ -9,6 +9,10 @@ what lets one turn's wrapper be read as a difference of two renderings.
 A tokenizer without a chat template, or one whose template cannot be read this
 way, gets :data:`PLAIN`: ``"System: ...\\n\\n"``, ``"User: ...\\n\\n"``,
 ``"Assistant: ...\\n\\n"`` and the generation prompt ``"Assistant:"``.
+
+A tool's result (the ``tool`` role, :mod:`pcache_rag.tools`) is the template's own ``tool``
+turn where it renders one after an assistant turn; otherwise it is a user turn whose content
+is wrapped in ``<tool_response>`` tags.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-_S = ("\u2063PCACHE-A\u2063", "\u2063PCACHE-B\u2063", "\u2063PCACHE-C\u2063")
+_S = ("\u2063PCACHE-A\u2063", "\u2063PCACHE-B\u2063", "\u2063PCACHE-C\u2063", "\u2063PCACHE-D\u2063")
+#: a tool's result where the template has no ``tool`` turn: inside a user turn
+TOOL_OPEN, TOOL_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,8 +41,8 @@ class ChatFormat:
 
 
 PLAIN = ChatFormat(
-    prefix={"system": "System: ", "user": "User: ", "assistant": "Assistant: "},
-    suffix={"system": "\n\n", "user": "\n\n", "assistant": "\n\n"},
+    prefix={"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "},
+    suffix={"system": "\n\n", "user": "\n\n", "assistant": "\n\n", "tool": "\n\n"},
     generation_prompt="Assistant:",
     source="plain",
 )
@@ -57,7 +63,7 @@ def chat_format_for(tokenizer) -> ChatFormat:
     def render(msgs, gen=False) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
-    a, b, c = _S
+    a, b, c, d = _S
     try:
         r1 = render([{"role": "system", "content": a}])
         r2 = render([{"role": "system", "content": a}, {"role": "user", "content": b}])
@@ -76,14 +82,29 @@ def chat_format_for(tokenizer) -> ChatFormat:
         bos = getattr(tokenizer, "bos_token", None)
         if bos and sp.startswith(bos) and _adds_bos(tokenizer):
             sp = sp[len(bos) :]
+        tp, ts = _tool_turn(render, r3, up + TOOL_OPEN, TOOL_CLOSE + us)
         return ChatFormat(
-            prefix={"system": sp, "user": up, "assistant": ap},
-            suffix={"system": ss, "user": us, "assistant": as_},
+            prefix={"system": sp, "user": up, "assistant": ap, "tool": tp},
+            suffix={"system": ss, "user": us, "assistant": as_, "tool": ts},
             generation_prompt=gen or ap,
         )
     except Exception as e:  # noqa: BLE001 - any template failure means: fall back
         log.warning("chat template could not be read (%s); using the plain role format", e)
         return PLAIN
+
+
+def _tool_turn(render, r3: str, user_prefix: str, user_suffix: str) -> tuple[str, str]:
+    """The template's ``tool`` turn after an assistant turn, or a user turn around ``<tool_response>``
+    (a template that refuses the role, drops its content or is not append-only with it)."""
+    a, b, c, d = _S
+    try:
+        r4 = render([{"role": "system", "content": a}, {"role": "user", "content": b},
+                     {"role": "assistant", "content": c}, {"role": "tool", "content": d, "tool_call_id": "call_0"}])
+        if r4.startswith(r3):
+            return _split(r4[len(r3):], d)
+    except Exception:  # noqa: BLE001 - templates raise for roles they do not know: the user-turn form
+        pass
+    return user_prefix, user_suffix
 
 
 def _adds_bos(tokenizer) -> bool:

@@ -15,9 +15,12 @@ notes) that standard clients ignore, and ``usage.prompt_tokens_details.cached_to
 how much of the prompt was read from the cache. Errors carry OpenAI's ``param`` and ``code``.
 
 Differences from OpenAI, each refused or reported by name, never silent: ``temperature``
-defaults to 0 (greedy: answers from documents should not vary); ``n`` must be 1; tools,
-logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and ``best_of`` above 1 are
-refused (400); on the RAG model retrieval runs on the last user message alone, while the
+defaults to 0 (greedy: answers from documents should not vary); ``n`` must be 1; legacy
+``functions``, logprobs, logit bias, non-zero penalties, ``echo``, ``suffix`` and ``best_of``
+above 1 are refused (400); ``tools`` are served by the plain model (an agent's loop sends the
+whole conversation, tool results last; the RAG model answers a user's question from its own
+retrieval and refuses them), with one call per answer unless ``parallel_tool_calls`` is true
+(:mod:`pcache_rag.tools`); on the RAG model retrieval runs on the last user message alone, while the
 system message and earlier turns go into the prompt before the documents; ``k`` (chunks to
 retrieve) may be passed in the body (``extra_body`` in the clients). ``response_format``
 (``json_schema``, ``json_object``) constrains decoding by the schema's grammar
@@ -34,24 +37,25 @@ import uuid
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
+from .. import tools
 from ..grammar import resolve, with_instruction
 from .http import body_json, events_of, first_event
 from .errors import RequestError
 
 router = APIRouter(prefix="/v1")
 
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "prediction",
+_IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "prediction",
             "reasoning_effort", "modalities"}
 _SAMPLING = {"model", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "n", "k", "frequency_penalty",
              "presence_penalty", "logprobs", "logit_bias"}
 _KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                      "function_call", "response_format"} | _IGNORED
+                      "function_call", "response_format", "parallel_tool_calls"} | _IGNORED
 _KNOWN_TEXT = _SAMPLING | {"prompt", "echo", "suffix", "best_of"} | _IGNORED
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs")
+_UNSUPPORTED = ("functions", "function_call", "logit_bias", "top_logprobs")
 #: the plain model's name is the RAG model's with this suffix
 PLAIN = "-plain"
 #: chat roles the plain model renders (``developer`` is OpenAI's newer name for system)
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _model_ids(service) -> list[str]:
@@ -153,10 +157,10 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
     return gen
 
 
-def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, list[str]]:
+def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, list[str], bool]:
     """(plain model?, the plain model's messages or the RAG model's (question, earlier turns,
     instruction after the question),
-    generation arguments, k, notes)
+    generation arguments, k, notes, whether the answer is read for tool calls)
     from a chat-completions body, or :class:`RequestError` naming what cannot be honoured."""
     _refuse_unknown(data, _KNOWN)
     for name in _UNSUPPORTED:
@@ -173,10 +177,15 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+    with_tools = data.get("tools") not in (None, [])
+    if with_tools and not plain:
+        raise RequestError(f"tools are served by the plain model ({_plain_ids(service)[0]}): the RAG model answers "
+                           "the user's question from its own retrieval; give an agent a retrieval tool instead",
+                           param="tools", code="unsupported_parameter")
     last = msgs[-1]
-    if last["role"] != "user":
-        raise RequestError(f"the last message must be the user's question, not a {last['role']!r} message",
-                           param="messages")
+    if last["role"] != "user" and not (with_tools and last["role"] == "tool"):
+        raise RequestError(f"the last message must be the user's question{' or a tool result' if with_tools else ''},"
+                           f" not a {last['role']!r} message", param="messages")
     notes: list[str] = []
     gen = _sampling(data, notes, "max_completion_tokens")
     try:
@@ -187,17 +196,42 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
     for i, m in enumerate(msgs):
         role = _ROLES.get(m["role"])
         if role is None:
-            raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user or "
-                               "assistant)", param="messages")
-        turns.append((role, _text(m.get("content"))))
-    if grammar is not None:  # decoding follows the schema's grammar; the model reads the schema too
+            raise RequestError(f"messages[{i}]: the role {m['role']!r} is not supported (use system, user, "
+                               "assistant or tool)", param="messages")
+        text = _text(m.get("content")) if m.get("content") is not None or role != "assistant" else ""
+        turns.append((role, tools.render_calls(text, _calls(m, i)) if m.get("tool_calls") else text))
+    try:
+        use = tools.prepare(turns, data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"),
+                            grammar_given=grammar is not None)
+    except tools.ToolError as e:
+        raise RequestError(str(e), param="tools" if "tool_choice" not in str(e) else "tool_choice",
+                           code="invalid_value") from None
+    grammar = grammar or use.grammar
+    if grammar is not None:  # decoding follows the grammar; the model reads the schema or the tools too
         gen["grammar"] = grammar
     if plain:
-        return True, with_instruction(turns, instruction), gen, None, notes
+        return True, with_instruction(use.turns, instruction), gen, None, notes, use.parse
     # the RAG model: the last user message is the question, retrieval runs on it alone; the
     # system message and earlier turns go into the prompt before the documents, and a response
     # format's instruction after the question
-    return False, (turns[-1][1], turns[:-1], instruction), gen, data.get("k"), notes
+    return False, (turns[-1][1], turns[:-1], instruction), gen, data.get("k"), notes, False
+
+
+def _calls(m: dict, i: int) -> list[tools.ToolCall]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape: arguments as JSON text)."""
+    out = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (json.JSONDecodeError, TypeError):
+            args = None
+        if not isinstance(args, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"messages[{i}].tool_calls: each needs a function with a name and JSON-object "
+                               "arguments", param="messages")
+        out.append(tools.ToolCall(str(c.get("id") or ""), fn["name"], args))
+    return out
 
 
 def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
@@ -252,8 +286,9 @@ def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False,
     return service.submit_plain(messages=body, tenant=tenant, **gen)
 
 
-async def _respond(request: Request, data: dict, job, notes: list[str], chat: bool):
-    """The job's answer as a chat completion or a text completion, whole or streamed."""
+async def _respond(request: Request, data: dict, job, notes: list[str], chat: bool, read_calls: bool = False):
+    """The job's answer as a chat completion or a text completion, whole or streamed; with
+    ``read_calls``, the answer's tool calls as ``tool_calls`` (finish reason ``tool_calls``)."""
     try:
         start = await first_event(job, request)
     except BaseException:
@@ -283,9 +318,18 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
                                    code=payload.get("code"))
         if done is None:
             raise RequestError("the answer was interrupted", 500)
+        answer = choice("".join(text), _finish(done["finish_reason"]))
+        if read_calls:
+            content, calls, bad = tools.parse("".join(text))
+            if calls:
+                answer["message"] = {"role": "assistant", "content": content or None, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                    for c in calls]}
+                answer["finish_reason"] = "tool_calls"
+            if bad:
+                notes = notes + [f"a tool call was cut short by max_tokens and is left out: {bad[0]['args'][:80]!r}"]
         return {"id": cid, "object": obj, "created": created, "model": model,
-                "choices": [choice("".join(text), _finish(done["finish_reason"]))],
-                "usage": _usage(done), "pcache": _extra(start[1], done, notes)}
+                "choices": [answer], "usage": _usage(done), "pcache": _extra(start[1], done, notes)}
 
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     chunk_obj = obj + ".chunk" if chat else obj
@@ -299,12 +343,18 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                          "logprobs": None})
+        reader = tools.CallStream() if read_calls else None
+        called = False
         async for kind, payload in events_of(job):
-            if kind == "delta":
+            if kind == "delta" and reader is None:
                 yield chunk(choice(payload, None, delta=True))
-            elif kind == "done":
-                yield chunk(choice(None, _finish(payload["finish_reason"]), delta=True),
-                            pcache=_extra(start[1], payload, notes))
+            elif kind == "delta" or (kind == "done" and reader is not None):
+                for d in reader.feed(payload) if kind == "delta" else reader.flush():
+                    called |= d.index >= 0
+                    yield chunk(_call_delta(d))
+            if kind == "done":
+                finish = "tool_calls" if called else _finish(payload["finish_reason"])
+                yield chunk(choice(None, finish, delta=True), pcache=_extra(start[1], payload, notes))
                 if include_usage:
                     yield chunk(None, usage=_usage(payload))
             elif kind == "error":  # headers are sent: the error goes in the stream, as OpenAI does
@@ -316,13 +366,26 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
                                shutdown_grace_period=request.app.state.service.shutdown_grace_s + 1.0)
 
 
+def _call_delta(d: tools.Delta) -> dict:
+    """A streamed :class:`~pcache_rag.tools.Delta` as a chat chunk's choice: text, a call's start
+    (its index, id and name) or a piece of its arguments."""
+    if d.index < 0:
+        delta: dict = {"content": d.text}
+    elif d.name is not None:
+        delta = {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                 "function": {"name": d.name, "arguments": ""}}]}
+    else:
+        delta = {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]}
+    return {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     service = request.app.state.service
     data = await body_json(request)
-    plain, body, gen, k, notes = parse_request(data, service)
+    plain, body, gen, k, notes, read_calls = parse_request(data, service)
     return await _respond(request, data, _submit(service, plain, body, gen, k, tenant=tenant_of(request)), notes,
-                          chat=True)
+                          chat=True, read_calls=read_calls)
 
 
 @router.post("/completions")

@@ -32,7 +32,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.language_models.llms import LLM
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
-                                     SystemMessage)
+                                     SystemMessage, ToolMessage)
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
 from langchain_core.prompts import BasePromptTemplate
@@ -43,7 +43,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # Only the model-free part of pcache-rag loads with the connector: the engine (torch,
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
-from pcache_rag import connector
+from pcache_rag import connector, tools
 from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import resolve, with_instruction
 
@@ -92,8 +92,10 @@ class _EngineConfig:
         ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer; the former's instruction
         is returned under ``"instruction"`` for the prompt."""
         name = type(self).__name__
-        unknown = set(kwargs) - {"temperature", "top_p", "seed", "max_tokens", "recompute", "model",
-                                 "response_format", "grammar"}
+        known = {"temperature", "top_p", "seed", "max_tokens", "recompute", "model", "response_format", "grammar"}
+        if isinstance(self, BaseChatModel):  # the chat model reads tools (a text prompt has no system turn)
+            known |= {"tools", "tool_choice", "parallel_tool_calls"}
+        unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"{name} does not support: {', '.join(sorted(unknown))}")
         if kwargs.get("model", self.model) != self.model:
@@ -125,10 +127,16 @@ def _content(m: BaseMessage) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(block.get("text", ""))
+        elif isinstance(m, AIMessage) and isinstance(block, dict) and block.get("type") in _CALL_BLOCKS:
+            continue  # a call's block (Anthropic's tool_use, LangChain's tool_call): the message's tool_calls hold it
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"ChatPromptCache reads text only; a {kind!r} content block is not supported")
     return "".join(parts)
+
+
+#: content blocks of an assistant message that are its tool calls (read from ``AIMessage.tool_calls``)
+_CALL_BLOCKS = ("tool_use", "tool_call", "tool_call_chunk", "function_call")
 
 
 def _role(m: BaseMessage) -> str:
@@ -137,13 +145,31 @@ def _role(m: BaseMessage) -> str:
     if isinstance(m, HumanMessage):
         return "user"
     if isinstance(m, AIMessage):
-        if m.tool_calls:
-            raise NotImplementedError("ChatPromptCache does not support tool calling")
         return "assistant"
-    if isinstance(m, ChatMessage) and m.role in ("system", "user", "assistant"):
+    if isinstance(m, ToolMessage):
+        return "tool"
+    if isinstance(m, ChatMessage) and m.role in ("system", "user", "assistant", "tool"):
         return m.role
-    raise NotImplementedError(f"ChatPromptCache does not support {type(m).__name__} messages "
-                              "(tool calling is not supported)")
+    raise NotImplementedError(f"ChatPromptCache does not support {type(m).__name__} messages")
+
+
+def _turn(m: BaseMessage) -> tuple[str, str]:
+    """A message as a ``(role, text)`` turn; an assistant's tool calls are written as the model
+    writes them (:func:`pcache_rag.tools.render_calls`), so the conversation reads as it was decoded."""
+    role, text = _role(m), _content(m)
+    if isinstance(m, AIMessage) and m.tool_calls:
+        calls = [tools.ToolCall(c.get("id") or "", c["name"], dict(c.get("args") or {})) for c in m.tool_calls]
+        text = tools.render_calls(text, calls)
+    return role, text
+
+
+def _tool_calls(text: str) -> dict:
+    """The ``content``, ``tool_calls`` and ``invalid_tool_calls`` of an answer read for calls."""
+    content, calls, bad = tools.parse(text)
+    return {"content": content,
+            "tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in calls],
+            "invalid_tool_calls": [{"name": b["name"], "args": b["args"], "id": tools.new_id(), "error": b["error"],
+                                    "type": "invalid_tool_call"} for b in bad]}
 
 
 class ChatPromptCache(_EngineConfig, BaseChatModel):
@@ -192,6 +218,9 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     api_key: str | None = None
     #: ``invoke`` streams underneath (LangChain's ``streaming`` convention; callbacks see tokens)
     streaming: bool = False
+    #: tools called in this order, one per step after the user's message, before the model answers in
+    #: text (:func:`pcache_rag.tools.planned`): for models too small to choose a tool themselves
+    tool_plan: list[str] = Field(default_factory=list)
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -228,11 +257,37 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         prompt included, read as an answer reads them (its documents found and tokenized on their
         own): exactly what the answer's ``usage_metadata["input_tokens"]`` reports.
         ``trim_messages(token_counter=llm)`` uses it."""
-        if tools:
-            raise NotImplementedError("ChatPromptCache does not support tool calling, so it cannot count tools")
         asm = self._asm()
-        turns = [(_role(m), _content(m)) for m in messages]
+        turns = [_turn(m) for m in messages]
+        if tools:  # the tools' text joins the system message, as in an answer
+            from langchain_core.utils.function_calling import convert_to_openai_tool
+
+            from pcache_rag.tools import prepare
+
+            turns = prepare(turns, [convert_to_openai_tool(t) for t in tools]).turns
         return asm.count_tokens(asm.message_segments(turns, learn=self.learn_documents, tenant=self.namespace))
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict | bool | None = None,
+                   parallel_tool_calls: bool | None = None, strict: bool | None = None,
+                   **kwargs: Any) -> Runnable:
+        """Tools the model may call (pydantic classes, functions, ``@tool`` s or OpenAI specs). The
+        tools are listed in the system message and a call's JSON is decoded under its tool's
+        parameter schema (:mod:`pcache_rag.tools`): ``AIMessage.tool_calls`` always parse.
+        ``tool_choice``: ``"auto"`` (default), ``"any"``/``"required"``/``True`` (a call must be
+        made), a tool's name, or ``"none"``. ``parallel_tool_calls=False``: at most one call.
+        ``strict`` is accepted: the grammar is always strict."""
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        from pcache_rag.tools import choice_of, tools_of
+
+        specs = [convert_to_openai_tool(t) for t in tools]
+        choice_of(tool_choice, tools_of(specs))  # a bad spec or choice is refused here, not at the call
+        bound: dict[str, Any] = {"tools": specs, **kwargs}
+        if tool_choice is not None:
+            bound["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            bound["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**bound)
 
     def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
@@ -242,8 +297,8 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         once it is complete, and the schema is put after the last user message for the model
         to read. ``method="json_mode"`` without a schema asks for any JSON object (with one, it
         is constrained by the schema as well); ``"function_calling"`` is
-        served as ``"json_schema"`` (the same object; this model has no tool calls, and
-        ``bind_tools`` stays unsupported). Documents are read from the cache as in
+        served as ``"json_schema"`` (the same object under the same grammar, without a call
+        around it). Documents are read from the cache as in
         any other call. ``strict`` is accepted: the grammar is always strict. ``include_raw``
         returns ``{"raw", "parsed", "parsing_error"}``."""
         from operator import itemgetter
@@ -278,38 +333,49 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         failed = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
-    def _run(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | CachedOutput]:
+    def _run(self, messages: list[BaseMessage], stop, kwargs) -> tuple[Iterator[str | CachedOutput], bool]:
+        """The answer's stream, and whether it is read for tool calls."""
         asm = self._asm()
         gen = self._gen(stop, kwargs)
+        use = tools.prepare([_turn(m) for m in messages], kwargs.get("tools"), kwargs.get("tool_choice"),
+                            kwargs.get("parallel_tool_calls"), grammar_given=gen["grammar"] is not None,
+                            plan=self.tool_plan)
+        gen["grammar"] = gen["grammar"] or use.grammar
         recompute = gen.pop("recompute")
-        turns = with_instruction([(_role(m), _content(m)) for m in messages], gen.pop("instruction"))
+        turns = with_instruction(use.turns, gen.pop("instruction"))
         segs = asm.message_segments(turns, learn=self.learn_documents, tenant=self.namespace)
-        return asm.stream(segs, recompute=recompute, **gen)
+        return asm.stream(segs, recompute=recompute, **gen), use.parse
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        for item in self._run(messages, stop, kwargs):
+        """Text deltas; with tools, a call streams as ``tool_call_chunks`` (its name and id first, then
+        its arguments' JSON as it is decoded)."""
+        items, read_calls = self._run(messages, stop, kwargs)
+        calls = tools.CallStream() if read_calls else None
+        for item in items:
             if not isinstance(item, str):
-                chunk = ChatGenerationChunk(message=AIMessageChunk(
+                for d in calls.flush() if calls else ():
+                    yield _chunk(d, run_manager)
+                yield ChatGenerationChunk(message=AIMessageChunk(
                     content="", usage_metadata=_usage(item), response_metadata=self._meta(item),
                     chunk_position="last"))
             else:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
-                if run_manager:
-                    run_manager.on_llm_new_token(item, chunk=chunk)
-            yield chunk
+                for d in calls.feed(item) if calls else (tools.Delta(text=item),):
+                    yield _chunk(d, run_manager)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         out = None
-        for item in self._run(messages, stop, kwargs):
+        items, read_calls = self._run(messages, stop, kwargs)
+        for item in items:
             if not isinstance(item, str):
                 out = item
             elif run_manager:
                 run_manager.on_llm_new_token(item)
         assert out is not None
         meta = self._meta(out)
-        msg = AIMessage(content=out.text, usage_metadata=_usage(out), response_metadata=meta)
+        fields = _tool_calls(out.text) if read_calls else {"content": out.text}
+        msg = AIMessage(**fields, usage_metadata=_usage(out), response_metadata=meta)
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)],
                           llm_output={"model_name": self.model, **out.stats()})
 
@@ -332,6 +398,17 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
 
     def _meta(self, out: CachedOutput) -> dict:
         return {"model_name": self.model, "model_provider": "pcache_rag", **out.stats()}
+
+
+def _chunk(d: tools.Delta, run_manager: CallbackManagerForLLMRun | None) -> ChatGenerationChunk:
+    """One streamed :class:`~pcache_rag.tools.Delta`: text (callbacks see it) or a tool-call chunk."""
+    if d.index < 0:
+        chunk = ChatGenerationChunk(message=AIMessageChunk(content=d.text))
+        if run_manager:
+            run_manager.on_llm_new_token(d.text, chunk=chunk)
+        return chunk
+    return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+        {"name": d.name, "args": d.arguments, "id": d.id, "index": d.index, "type": "tool_call_chunk"}]))
 
 
 def _usage(out: CachedOutput) -> dict:

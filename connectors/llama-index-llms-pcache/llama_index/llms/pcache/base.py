@@ -7,6 +7,8 @@
   ``additional_kwargs``. ``structured_predict`` (and ``as_structured_llm``) decode under the
   output class's JSON-schema grammar; ``response_format`` per call does the same for chat
   (a ``formatted=True`` completion is read as written: the grammar applies, no schema is added).
+  It is a ``FunctionCallingLLM``: ``chat_with_tools`` and agents (``FunctionAgent``) get tool
+  calls whose JSON is decoded under each tool's schema (:mod:`pcache_rag.tools`).
 * :class:`PromptCacheEncoder` - a ``TransformComponent`` for ``IngestionPipeline``: encodes
   each node's states and writes the handle (``pcache_kv_key``) into its metadata, for any
   vector store.
@@ -28,6 +30,8 @@ would read. A node that nobody encoded is encoded on first use and stored.
 from __future__ import annotations
 
 import asyncio
+import json
+import warnings
 from collections.abc import AsyncGenerator, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,11 +43,13 @@ from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatRes
                                               LLMMetadata, MessageRole)
 from llama_index.core.chat_engine import CondensePlusContextChatEngine
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.readers.base import BaseReader
+from llama_index.core.types import PydanticProgramMode
 from llama_index.core.schema import (BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode,
                                      TransformComponent)
 from pydantic import ConfigDict, Field, PrivateAttr
@@ -51,7 +57,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 # Only the model-free part of pcache-rag loads with the connector: the engine (torch,
 # transformers) loads when the first model is built, so importing this costs what the
 # framework costs.
-from pcache_rag import connector
+from pcache_rag import connector, tools
 from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import json_grammar, resolve, with_instruction
 
@@ -67,14 +73,16 @@ DEFAULT_QA_TEMPLATE = ChatPromptTemplate.from_messages([
     ("system", DEFAULT_SYSTEM), ("user", "Documents:\n\n{context_str}\n\nQuestion: {query_str}")])
 
 
-class PromptCacheLLM(CustomLLM):
+class PromptCacheLLM(FunctionCallingLLM):
     """A LlamaIndex LLM on pcache-rag's engine (see the module docstring).
 
     ``model``: the embedded ``smollm2-135m-instruct`` or a local folder / ``.gguf``. States live
     in ``index_dir/kv`` (an index made by ``pcache-rag ingest``), else ``cache_dir`` (default
     ``~/.cache/pcache-rag/states``). ``temperature`` 0 is greedy; ``top_p``, ``seed`` and
     ``stop`` are honoured, per instance or per call. ``complete(prompt)`` reads the prompt as
-    one user turn of the chat template (``formatted=True``: as raw text).
+    one user turn of the chat template (``formatted=True``: as raw text). ``tool_plan``: tools
+    called in this order after the user's message, before a text answer
+    (:func:`pcache_rag.tools.planned`), for models too small to choose a tool themselves.
     """
 
     # a constructor argument the engine does not take (context_window=, generate_kwargs=) is
@@ -96,6 +104,11 @@ class PromptCacheLLM(CustomLLM):
                                   "between blank lines, encoded on first sight and read from the cache next time")
     namespace: str = Field(default="", description="whose prompts these are: what they teach is kept for this "
                            "namespace alone (the ingested index is shared by design)")
+    tool_plan: list[str] = Field(default_factory=list, description="tools called in this order after the "
+                                 "user's message, then a text answer (for models too small to choose)")
+    #: structured_predict writes the schema into the prompt and decodes under its grammar (a
+    #: FunctionCallingLLM's default would make the schema a tool and require a call of it)
+    pydantic_program_mode: PydanticProgramMode = PydanticProgramMode.LLM
     _assembler: Any = PrivateAttr(default=None)  # an Assembler, once the engine is loaded
 
     def model_post_init(self, __context: Any) -> None:
@@ -118,16 +131,20 @@ class PromptCacheLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         # the context window is the loaded model's (reading it loads the engine, once per config)
         return LLMMetadata(context_window=self.assembler.max_positions, num_output=self.max_new_tokens, model_name=self.model,
-                           is_chat_model=True, system_role=MessageRole.SYSTEM)
+                           is_chat_model=True, is_function_calling_model=True, system_role=MessageRole.SYSTEM)
 
     # ------------------------------------------------------------------ internals
 
-    def _gen(self, kwargs: dict) -> tuple[dict, Any, str]:
+    def _gen(self, kwargs: dict, chat: bool = False) -> tuple[dict, Any, str]:
         """(engine arguments, recompute policy, instruction for the prompt) from a call's
         keywords; anything the engine cannot honour is refused by name. ``response_format``
-        (OpenAI's shapes) or ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
+        (OpenAI's shapes) or ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer.
+        ``chat`` calls also take ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (read by
+        :meth:`_iter`)."""
         kwargs = dict(kwargs)
         kwargs.pop("formatted", None)
+        for name in _TOOL_KEYS if chat else ():
+            kwargs.pop(name, None)
         unknown = set(kwargs) - {"temperature", "top_p", "seed", "stop", "max_new_tokens", "max_tokens", "recompute",
                                  "response_format", "grammar"}
         if unknown:
@@ -142,29 +159,37 @@ class PromptCacheLLM(CustomLLM):
         msgs = []
         for m in messages:
             role = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
-                    MessageRole.DEVELOPER: "system"}.get(m.role)
+                    MessageRole.DEVELOPER: "system", MessageRole.TOOL: "tool"}.get(m.role)
             if role is None:
-                raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages "
-                                          "(tool calling is not supported)")
-            msgs.append((role, m.content or ""))
+                raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages")
+            text = m.content or ""
+            calls = _calls_of(m) if role == "assistant" else []
+            msgs.append((role, tools.render_calls(text, calls) if calls else text))
         return msgs
 
-    def _iter(self, turns: list[tuple[str, str]] | None, text: str | None,
-              kwargs) -> Generator[str | CachedOutput, None, None]:
-        """Chat ``turns`` (a ``response_format``'s instruction goes after the last user turn), or
-        a formatted ``text`` prompt read exactly as written."""
-        gen, recompute, instruction = self._gen(kwargs)
+    def _iter(self, turns: list[tuple[str, str]] | None, text: str | None, kwargs,
+              chat: bool = False) -> tuple[Generator[str | CachedOutput, None, None], bool]:
+        """Chat ``turns`` (a ``response_format``'s instruction goes after the last user turn; the
+        tools' text into the system message), or a formatted ``text`` prompt read exactly as
+        written; and whether the answer is read for tool calls (``chat`` calls only)."""
+        gen, recompute, instruction = self._gen(kwargs, chat=chat)
+        read_calls = False
+        if chat and turns is not None:
+            use = tools.prepare(turns, kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("parallel_tool_calls"),
+                                grammar_given=gen["grammar"] is not None, plan=self.tool_plan)
+            turns, read_calls = use.turns, use.parse
+            gen["grammar"] = gen["grammar"] or use.grammar
         asm = self.assembler
         learn = self.learn_documents
         ns = self.namespace
         segs = asm.message_segments(with_instruction(turns, instruction), learn=learn, tenant=ns) \
             if turns is not None else asm.text_segments(text or "", learn=learn, tenant=ns)
-        return asm.stream(segs, recompute=recompute, **gen)
+        return asm.stream(segs, recompute=recompute, **gen), read_calls
 
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = ""
         turns, raw = (None, prompt) if formatted else ([("user", prompt)], None)
-        for item in self._iter(turns, raw, kwargs):
+        for item in self._iter(turns, raw, kwargs)[0]:
             if not isinstance(item, str):
                 yield CompletionResponse(text=text, delta="", additional_kwargs=item.stats(), raw=item.stats())
             else:
@@ -172,14 +197,69 @@ class PromptCacheLLM(CustomLLM):
                 yield CompletionResponse(text=text, delta=item)
 
     def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
+        """Responses as the answer is decoded. With tools, a call's name and its arguments so far are
+        in ``message.additional_kwargs["tool_calls"]`` (OpenAI's shape) as they stream; the text
+        outside calls is the content."""
+        items, read_calls = self._iter(self._turns(messages), None, kwargs, chat=True)
+        reader = tools.CallStream() if read_calls else None
         text = ""
-        for item in self._iter(self._turns(messages), None, kwargs):
-            if not isinstance(item, str):
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                                   additional_kwargs=item.stats(), raw=item.stats())
+        calls: list[dict] = []
+        for item in items:
+            deltas = (reader.feed(item) if reader else [tools.Delta(text=item)]) if isinstance(item, str) else \
+                (reader.flush() if reader else [])
+            delta = ""
+            for d in deltas:
+                if d.index < 0:
+                    delta += d.text
+                elif d.name is not None:
+                    calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+                else:
+                    calls[d.index]["function"]["arguments"] += d.arguments
+            text += delta
+            extra = {"tool_calls": [dict(c, function=dict(c["function"])) for c in calls]} if calls else {}
+            if isinstance(item, str):
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text,
+                                                       additional_kwargs=extra), delta=delta)
             else:
-                text += item
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
+                calls = _whole(calls)
+                extra = {"tool_calls": calls} if calls else {}
+                content = text.strip() if calls else text
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
+                                                       additional_kwargs=extra), delta=delta,
+                                   additional_kwargs=item.stats(), raw=item.stats())
+
+    # ------------------------------------------------------------------ tools (FunctionCallingLLM)
+
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """``chat`` arguments for a call with ``tools`` (LlamaIndex ``BaseTool`` s): their OpenAI
+        specs, ``tool_choice`` (``tool_required`` makes it ``"required"``) and the messages."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools] or None,
+                "tool_choice": tool_choice, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The response's tool calls (complete ones; a call still streaming has its arguments so far,
+        read leniently)."""
+        out = []
+        for c in response.message.additional_kwargs.get("tool_calls") or []:
+            fn = c.get("function", {})
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except json.JSONDecodeError:  # mid-stream: not yet whole
+                args = {}
+            out.append(ToolSelection(tool_id=c.get("id") or "", tool_name=fn.get("name", ""),
+                                     tool_kwargs=args if isinstance(args, dict) else {}))
+        if not out and error_on_no_tool_call:
+            raise ValueError(f"the model called no tool; it answered: {(response.message.content or '')[:200]!r}")
+        return out
 
     # ------------------------------------------------------------------ sync
 
@@ -258,6 +338,43 @@ class PromptCacheLLM(CustomLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         connector.share_batch(self.assembler)
         return _athread(self._chat_iter(messages, kwargs))
+
+
+def _whole(calls: list[dict]) -> list[dict]:
+    """The calls whose arguments parse; one cut short by the token limit is dropped, with a warning
+    (the engine's ``StructuredOutputWarning`` has said the answer was cut)."""
+    out = []
+    for c in calls:
+        try:
+            json.loads(c["function"]["arguments"])
+            out.append(c)
+        except json.JSONDecodeError:
+            warnings.warn(f"PromptCacheLLM: the call of {c['function']['name']!r} was cut short by max_new_tokens "
+                          "and is dropped (raise max_new_tokens)", stacklevel=3)
+    return out
+
+
+#: chat keywords read by the tools' path, not by the engine's sampling
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def _calls_of(m: ChatMessage) -> list[tools.ToolCall]:
+    """An assistant message's tool calls: OpenAI's shape in ``additional_kwargs`` (ours, and other
+    LLMs' in a shared history) or ``ToolCallBlock`` s."""
+    out = []
+    for c in m.additional_kwargs.get("tool_calls") or []:
+        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            args = {}
+        out.append(tools.ToolCall(c.get("id") or "", fn.get("name", ""), args if isinstance(args, dict) else {}))
+    if not out:
+        for b in m.blocks:
+            if getattr(b, "block_type", None) == "tool_call":
+                args = b.tool_kwargs if isinstance(b.tool_kwargs, dict) else json.loads(b.tool_kwargs or "{}")
+                out.append(tools.ToolCall(b.tool_call_id or "", b.tool_name, args))
+    return out
 
 
 async def _athread(it) -> AsyncGenerator:
