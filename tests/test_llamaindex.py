@@ -325,3 +325,45 @@ def test_structured_predict_and_response_format(smol):
     r = llm.chat([ChatMessage(role="user", content="The capital of Germany?")], response_format=fmt)
     assert set(json.loads(r.message.content)) == {"city", "country"}
     assert r.additional_kwargs["finish_reason"] == "eos"
+
+
+def test_every_synthesizers_response_carries_cache_statistics(docs_dir, smol):
+    """Stock synthesizers (compact, refine, tree_summarize) and the query engine's default, sync and
+    async: ``Response.metadata["pcache"]`` holds the LLM calls' statistics summed, read from the
+    LLM's own responses (LlamaIndex's instrumentation events; nothing of theirs replaced)."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.llms.pcache import MiniLMEmbedding, PromptCacheEncoder, PromptCacheLLM
+
+    embed = MiniLMEmbedding()
+    nodes = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=0),
+                                               PromptCacheEncoder(model=MODEL, cache_dir=STATES), embed]).run(
+        documents=_read(docs_dir))
+    index = VectorStoreIndex(nodes, embed_model=embed)
+    llm = PromptCacheLLM(model=MODEL, cache_dir=STATES, max_new_tokens=12)
+    seen: list[dict] = []
+
+    class Calls(BaseEventHandler):  # what the LLM itself reported, call by call
+        def handle(self, event, **kw):
+            if isinstance(event, LLMChatEndEvent) and event.response is not None:
+                seen.append(event.response.additional_kwargs)
+
+    get_dispatcher().add_event_handler(Calls())
+    q = "What is the access code for the north gate?"
+    for mode in ("compact", "refine", "tree_summarize"):
+        seen.clear()
+        r = index.as_query_engine(llm=llm, similarity_top_k=3, response_mode=mode).query(q)
+        st = r.metadata["pcache"]
+        assert st["llm_calls"] == len(seen) >= 1, mode
+        for k in ("prompt_tokens", "cached_tokens", "computed_tokens", "output_tokens"):
+            assert st[k] == sum(s[k] for s in seen), (mode, k)
+        assert st["cached_tokens"] > 0 and st["ttft_s"] == seen[0]["ttft_s"], mode
+        assert any(k in r.metadata for k in (n.node.node_id for n in r.source_nodes)), "the nodes' metadata stays"
+    seen.clear()
+    a = asyncio.run(index.as_query_engine(llm=llm, similarity_top_k=2).aquery(q))
+    assert a.metadata["pcache"]["llm_calls"] == len(seen) and a.metadata["pcache"]["cached_tokens"] > 0

@@ -4,7 +4,8 @@
   template; documents marked in a prompt (:func:`pcache_rag.docmodules.format_documents`)
   are read from cached states. Sync, streaming and async (async runs off the event loop).
   Every response carries ``ttft_s``, ``cached_tokens`` and ``computed_tokens`` in
-  ``additional_kwargs``. ``structured_predict`` (and ``as_structured_llm``) decode under the
+  ``additional_kwargs``, and every ``Response`` a synthesizer makes with it, the stock ones
+  included, carries them summed in ``metadata["pcache"]`` (:class:`CacheStatsHandler`). ``structured_predict`` (and ``as_structured_llm``) decode under the
   output class's JSON-schema grammar; ``response_format`` per call does the same for chat
   (a ``formatted=True`` completion is read as written: the grammar applies, no schema is added).
   It is a ``FunctionCallingLLM``: ``chat_with_tools`` and agents (``FunctionAgent``) get tool
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import warnings
+from contextvars import ContextVar
 from collections.abc import AsyncGenerator, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +43,13 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
                                               LLMMetadata, MessageRole)
+from llama_index.core.base.response.schema import Response
 from llama_index.core.chat_engine import CondensePlusContextChatEngine
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
+from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -116,6 +124,7 @@ class PromptCacheLLM(FunctionCallingLLM):
         connector.check_recompute(self.recompute)  # a bad policy is refused here, not at the first call
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        _install_stats_handler()  # cache statistics on every synthesizer's Response
 
     @classmethod
     def class_name(cls) -> str:
@@ -375,6 +384,63 @@ def _calls_of(m: ChatMessage) -> list[tools.ToolCall]:
                 args = b.tool_kwargs if isinstance(b.tool_kwargs, dict) else json.loads(b.tool_kwargs or "{}")
                 out.append(tools.ToolCall(b.tool_call_id or "", b.tool_name, args))
     return out
+
+
+# ---------------------------------------------------------------------- cache statistics on stock responses
+
+#: the statistics of the LLM calls inside each synthesis in progress (innermost last), per context
+_SYNTHESES: ContextVar[tuple[dict, ...]] = ContextVar("pcache_syntheses", default=())
+_TOTALS = ("prompt_tokens", "cached_tokens", "computed_tokens", "encoded_tokens", "recomputed_tokens",
+           "output_tokens", "documents")
+
+
+class CacheStatsHandler(BaseEventHandler):
+    """Puts this LLM's cache statistics on every ``Response`` a LlamaIndex synthesizer makes with it
+    (``Response.metadata["pcache"]``): the stock ones too (compact, refine, tree_summarize, the query
+    engines' defaults), through LlamaIndex's instrumentation events, with no change to them. The
+    counts are summed over the synthesis's LLM calls (``llm_calls``); ``ttft_s`` is the first
+    call's. A streamed stock response has none (its answer is not decoded when it is returned;
+    :class:`PromptCacheSynthesizer` adds them as it streams). Installed once, by the first
+    :class:`PromptCacheLLM`."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PromptCacheStatsHandler"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        if isinstance(event, SynthesizeStartEvent):
+            _SYNTHESES.set((*_SYNTHESES.get(), {}))
+        elif isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
+            open_ = _SYNTHESES.get()
+            stats = getattr(event.response, "additional_kwargs", None) or {}
+            if open_ and "cached_tokens" in stats:
+                _add(open_[-1], stats)
+        elif isinstance(event, SynthesizeEndEvent):
+            open_ = _SYNTHESES.get()
+            if not open_:
+                return
+            _SYNTHESES.set(open_[:-1])
+            totals, response = open_[-1], event.response
+            if totals and isinstance(response, Response):
+                response.metadata = response.metadata or {}
+                response.metadata.setdefault("pcache", totals)
+
+
+def _add(totals: dict, stats: dict) -> None:
+    if not totals:
+        totals.update(llm_calls=0, ttft_s=stats.get("ttft_s"), **dict.fromkeys(_TOTALS, 0))
+    totals["llm_calls"] += 1
+    for k in _TOTALS:
+        totals[k] += stats.get(k) or 0
+
+
+_HANDLER: list[CacheStatsHandler] = []
+
+
+def _install_stats_handler() -> None:
+    if not _HANDLER:
+        _HANDLER.append(CacheStatsHandler())
+        get_dispatcher().add_event_handler(_HANDLER[0])
 
 
 async def _athread(it) -> AsyncGenerator:
