@@ -54,7 +54,7 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
     """One forward for sequences of different lengths, each over its own rows (one decoding a
     token, one prefilling a chunk of four), equals each sequence's own step to 1e-4 (batched
     projections round differently, nothing else)."""
-    from pcache_rag.engine.scheduler import _RaggedLayer
+    from pcache_rag.engine.runner import _RaggedLayer
     from pcache_rag.models.attention import Positions, RaggedStep, ragged
     from transformers.cache_utils import Cache
 
@@ -200,7 +200,7 @@ def test_the_first_token_is_sampled_before_the_rows_are_copied(pc, monkeypatch):
     """A request the engine prefills (recomputed rows) takes its first token from the workspace's
     logits before its rows are copied out (the copy is the decode's cost, not TTFT's): an answer
     of one token never copies, and a copy that fails fails that request only."""
-    from pcache_rag.engine import scheduler as sched_mod
+    from pcache_rag.engine import runner as sched_mod
 
     reqs = _requests(pc)[:3]
     real = RequestKV.from_workspace
