@@ -179,54 +179,14 @@ class Assembler(DocumentStates):
     def count_tokens(self, segments: Sequence[Segment]) -> int:
         """The prompt tokens ``segments`` make, exactly as :meth:`plan` reads them (and as an
         answer's usage counts them): nothing is encoded or kept."""
-        return len(bos_ids(self.tokenizer)) + sum(len(read) for _, read, _ in self._pieces(segments))
-
-    def _pieces(self, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
-        """``segments`` as pieces ``(kind, ids the prompt reads, ids whose stored states hold them)``,
-        kind ``"plain"`` (``"turn"`` when it holds chat markup), ``"document"`` or ``"cut"``: plain runs
-        tokenized together, each document
-        on its own (with its separator where the prompt has it; else a head of its stored states)."""
-        # 1. group: plain runs tokenized together; documents with the separator after them where
-        # the prompt has it (else their states without it, and what follows is read as written)
-        groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
-        segs = list(segments)
-        i = 0
-        while i < len(segs):
-            s = segs[i]
-            if s.kind == "document":
-                i += 1
-                whole = i < len(segs) and segs[i].kind == "text" and segs[i].text.startswith(DOC_SEPARATOR)
-                if whole:  # the separator belongs to the document
-                    segs[i] = Segment(segs[i].text[len(DOC_SEPARATOR):], "text")
-                groups.append(("document", [s.text, whole]))
-                continue
-            if s.kind == "cut":
-                groups.append(("cut", []))
-            elif s.text:
-                if not groups or groups[-1][0] != "plain":
-                    groups.append(("plain", []))
-                groups[-1][1].append((s.text, s.kind == "markup"))
-            i += 1
-        # 2. ids per group. A document read without its separator reads a head of its stored states.
-        pieces: list[tuple[str, list[int], list[int]]] = []
-        for kind, body in groups:
-            if kind == "document":
-                stored = self.doc_ids(body[0])
-                read = stored if body[1] else self.doc_body(stored, body[0])
-                pieces.append(("document", read, stored if read == stored[: len(read)] else read))
-            elif kind == "cut":
-                pieces.append(("cut", [], []))
-            else:  # a run that holds chat markup is part of the conversation: a "turn"
-                ids = self.safe.segments(body)
-                pieces.append(("turn" if any(markup for _, markup in body) else "plain", ids, ids))
-        return pieces
+        return len(bos_ids(self.tokenizer)) + sum(len(read) for _, read, _ in pieces_of(self, segments))
 
     def plan(self, segments: Sequence[Segment], max_new_tokens: int = 64) -> _Plan:
         """Token ids and states for ``segments``: the prefix and the documents from the store
         (encoded now if missing), the rest as new tokens."""
         uncached = list(getattr(segments, "uncached", ()))
         tenant = getattr(segments, "tenant", "")
-        pieces = self._pieces(segments)
+        pieces = pieces_of(self, segments)
         n_docs = sum(1 for p in pieces if p[0] == "document")
         # the prefix is everything before the first document (or the cut)
         bos = bos_ids(self.tokenizer)
@@ -373,6 +333,47 @@ class Assembler(DocumentStates):
         params = SamplingParams.of(**gen)
         t0 = time.perf_counter()
         return self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params)
+
+
+def pieces_of(states: DocumentStates, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
+    """``segments`` as pieces ``(kind, ids the prompt reads, ids whose stored states hold them)``,
+    kind ``"plain"`` (``"turn"`` when it holds chat markup), ``"document"`` or ``"cut"``: plain runs
+    tokenized together, each document
+    on its own (with its separator where the prompt has it; else a head of its stored states)."""
+    # 1. group: plain runs tokenized together; documents with the separator after them where
+    # the prompt has it (else their states without it, and what follows is read as written)
+    groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])
+    segs = list(segments)
+    i = 0
+    while i < len(segs):
+        s = segs[i]
+        if s.kind == "document":
+            i += 1
+            whole = i < len(segs) and segs[i].kind == "text" and segs[i].text.startswith(DOC_SEPARATOR)
+            if whole:  # the separator belongs to the document
+                segs[i] = Segment(segs[i].text[len(DOC_SEPARATOR):], "text")
+            groups.append(("document", [s.text, whole]))
+            continue
+        if s.kind == "cut":
+            groups.append(("cut", []))
+        elif s.text:
+            if not groups or groups[-1][0] != "plain":
+                groups.append(("plain", []))
+            groups[-1][1].append((s.text, s.kind == "markup"))
+        i += 1
+    # 2. ids per group. A document read without its separator reads a head of its stored states.
+    pieces: list[tuple[str, list[int], list[int]]] = []
+    for kind, body in groups:
+        if kind == "document":
+            stored = states.doc_ids(body[0])
+            read = stored if body[1] else states.doc_body(stored, body[0])
+            pieces.append(("document", read, stored if read == stored[: len(read)] else read))
+        elif kind == "cut":
+            pieces.append(("cut", [], []))
+        else:  # a run that holds chat markup is part of the conversation: a "turn"
+            ids = states.safe.segments(body)
+            pieces.append(("turn" if any(markup for _, markup in body) else "plain", ids, ids))
+    return pieces
 
 
 __all__ = ["Assembler", "CachedOutput"]

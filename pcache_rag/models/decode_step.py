@@ -146,6 +146,62 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
+def _layer_parts(base: Any, D: int) -> tuple[list[tuple[Any, ...]], float]:
+    """Each decoder layer's ``(attention, mlp, input norm, post-attention norm, q norm, k norm)``,
+    and the norms' epsilon; :class:`UnsupportedStep` names a layer the fused step cannot compute."""
+    found: list[tuple[Any, ...]] = []
+    eps = 0.0
+    for i, layer in enumerate(base.layers):
+        a: Any = getattr(layer, "self_attn", None)
+        m: Any = getattr(layer, "mlp", None)
+        need = [(a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (a, "o_proj"), (m, "gate_proj"), (m, "up_proj"),
+                (m, "down_proj")]
+        missing = [n for o, n in need if not _linear_like(getattr(o, n, None))]
+        if missing:
+            raise UnsupportedStep(f"layer {i} has no linear {', '.join(missing)}")
+        scaling = getattr(a, "scaling", D ** -0.5)
+        if abs(scaling - D ** -0.5) > 1e-9:
+            raise UnsupportedStep(f"attention scaling {scaling} is not head_dim ** -0.5")
+        if m.down_proj.bias is not None or a.o_proj.bias is not None or m.gate_proj.bias is not None:
+            raise UnsupportedStep("biases on o_proj or the MLP")
+        n1, eps = _norm_weight(layer.input_layernorm, "input_layernorm")
+        n2, _ = _norm_weight(layer.post_attention_layernorm, "post_attention_layernorm")
+        qn = _norm_weight(a.q_norm, "q_norm")[0] if hasattr(a, "q_norm") else None
+        kn = _norm_weight(a.k_norm, "k_norm")[0] if hasattr(a, "k_norm") else None
+        found.append((a, m, n1, n2, qn, kn))
+    return found, eps
+
+
+def _laid_out(model: Any, found: list[tuple[Any, ...]], fmt: str, kernel: tuple[str, str], lib) -> tuple[list, Any]:
+    """The step's weights in ``fmt`` (each layer's fused q/k/v and gate/up products, and the head).
+    They hold no state: every engine over this model shares one set a format and kernel."""
+    shared = _SHARED.setdefault(model, {})
+    key = (fmt, *kernel)
+    if key not in shared:
+        layers = []
+        for a, m, n1, n2, qn, kn in found:
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, hidden)
+            gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 inter, hidden)
+            layers.append(_Layer(Matvec(qkv, _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, lib),
+                                 Matvec(a.o_proj.weight, None, fmt, lib), Matvec(gu, None, fmt, lib),
+                                 Matvec(m.down_proj.weight, None, fmt, lib), n1, n2, qn, kn))
+        shared[key] = (layers, Matvec(model.lm_head.weight, model.lm_head.bias, fmt, lib))
+    return shared[key]
+
+
+def _c_refusal(model: Any, found: list[tuple[Any, ...]], hidden: int, H: int, Hkv: int, D: int, inter: int) -> str:
+    """Why this model's step cannot run on the C kernels ('' if it can)."""
+    if model.device.type != "cpu":
+        return f"the model is on {model.device}"
+    if any(qn is not None for *_, qn, _ in found):
+        return "per-head q_norm/k_norm (the kernels path has none)"
+    G = H // Hkv
+    if hidden % 16 or inter % 16 or D % 16 or D > kernels.MAX_HEAD_DIM or G > kernels.MAX_GROUP:
+        return (f"hidden {hidden}, intermediate {inter}, head size {D}, {G} query heads a key head: the "
+                f"kernels take multiples of 16, heads up to {kernels.MAX_HEAD_DIM}, groups up to {kernels.MAX_GROUP}")
+    return ""
+
+
 class FusedDecodeStep:
     """One generated token of ``model`` (its family's ``adapter``) with ``fmt`` weights: see the
     module docstring. Raises :class:`UnsupportedStep` naming what it cannot compute."""
@@ -170,26 +226,7 @@ class FusedDecodeStep:
         self.fmt = fmt
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, s.n_kv_heads, s.head_dim
         self.inter = inter = c.intermediate_size
-        found: list[tuple[Any, ...]] = []
-        for i, layer in enumerate(base.layers):
-            a: Any = getattr(layer, "self_attn", None)
-            m: Any = getattr(layer, "mlp", None)
-            need = [(a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (a, "o_proj"), (m, "gate_proj"), (m, "up_proj"),
-                    (m, "down_proj")]
-            missing = [n for o, n in need if not _linear_like(getattr(o, n, None))]
-            if missing:
-                raise UnsupportedStep(f"layer {i} has no linear {', '.join(missing)}")
-            scaling = getattr(a, "scaling", D ** -0.5)
-            if abs(scaling - D ** -0.5) > 1e-9:
-                raise UnsupportedStep(f"attention scaling {scaling} is not head_dim ** -0.5")
-            if m.down_proj.bias is not None or a.o_proj.bias is not None or m.gate_proj.bias is not None:
-                raise UnsupportedStep("biases on o_proj or the MLP")
-            n1, eps = _norm_weight(layer.input_layernorm, "input_layernorm")
-            n2, _ = _norm_weight(layer.post_attention_layernorm, "post_attention_layernorm")
-            qn = _norm_weight(a.q_norm, "q_norm")[0] if hasattr(a, "q_norm") else None
-            kn = _norm_weight(a.k_norm, "k_norm")[0] if hasattr(a, "k_norm") else None
-            found.append((a, m, n1, n2, qn, kn))
-            self.eps = eps
+        found, self.eps = _layer_parts(base, D)
         self.norm = _norm_weight(base.norm, "the final norm")[0]
         if getattr(base.embed_tokens, "embed_scale", None) is not None:
             raise UnsupportedStep("scaled token embeddings")
@@ -199,7 +236,7 @@ class FusedDecodeStep:
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0) or 1.0)
 
         #: which kernels the step runs: "c" (kernels.c) or "torch" (oneDNN / aten), and why not c
-        self.kernels, self.kernels_why_not = "torch", self._c_refusal(model, found, hidden)
+        self.kernels, self.kernels_why_not = "torch", _c_refusal(model, found, hidden, H, Hkv, D, inter)
         lib = None if self.kernels_why_not else kernels.load()
         if lib is None and not self.kernels_why_not:
             self.kernels_why_not = kernels.why_not()
@@ -208,20 +245,7 @@ class FusedDecodeStep:
         if lib is not None:
             self.kernels, self.variant = "c", lib.pc_variant().decode()
         self._lib: Any = lib
-        # the laid-out weights hold no state: every engine over this model shares one set a format
-        shared = _SHARED.setdefault(model, {})
-        key = (fmt, self.kernels, self.variant)
-        if key not in shared:
-            layers = []
-            for a, m, n1, n2, qn, kn in found:
-                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, hidden)
-                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 inter, hidden)
-                layers.append(_Layer(Matvec(qkv, _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, lib),
-                                     Matvec(a.o_proj.weight, None, fmt, lib), Matvec(gu, None, fmt, lib),
-                                     Matvec(m.down_proj.weight, None, fmt, lib), n1, n2, qn, kn))
-            shared[key] = (layers, Matvec(model.lm_head.weight, model.lm_head.bias, fmt, lib))
-        self.layers: list[_Layer] = shared[key][0]
-        self.head: Matvec = shared[key][1]
+        self.layers, self.head = _laid_out(model, found, fmt, (self.kernels, self.variant), lib)
 
         dt, dev = torch.float32, self.embed.device
         # the step's scratch, reused every token (one decode at a time: the engine lock)
@@ -241,18 +265,6 @@ class FusedDecodeStep:
             self._attn = kernels.Attention(lib, Hkv, H // Hkv, D)
         #: the thread count the last token ran on (the C kernels fit it to the free CPUs)
         self.threads = 0
-
-    def _c_refusal(self, model, found, hidden: int) -> str:
-        """Why this model's step cannot run on the C kernels ('' if it can)."""
-        if model.device.type != "cpu":
-            return f"the model is on {model.device}"
-        if any(qn is not None for *_, qn, _ in found):
-            return "per-head q_norm/k_norm (the kernels path has none)"
-        D, G = self.head_dim, self.n_heads // self.n_kv
-        if hidden % 16 or self.inter % 16 or D % 16 or D > kernels.MAX_HEAD_DIM or G > kernels.MAX_GROUP:
-            return (f"hidden {hidden}, intermediate {self.inter}, head size {D}, {G} query heads a key head: the "
-                    f"kernels take multiples of 16, heads up to {kernels.MAX_HEAD_DIM}, groups up to {kernels.MAX_GROUP}")
-        return ""
 
     @property
     def nbytes(self) -> int:

@@ -241,7 +241,7 @@ class AnswerService:
         at a time, else in a thread of its own while this one takes the next."""
         self._running[job.id] = job
         t0 = time.perf_counter()
-        opened = self._guarded(job, self._open, job)
+        opened = self._guarded(job, open_job, self, job)
         if self.max_batch > 1:  # the batch's thread decodes: this one waits for the next job
             release_pool()
         if opened is None:
@@ -284,48 +284,6 @@ class AnswerService:
         job.emit(None)
         self._slots.release()
 
-    def _open(self, job: Job) -> _Opened | None:
-        """Retrieve and build the job's stream, up to its first item (None: an error was sent)."""
-        rag = self.rag
-        queued = time.perf_counter() - job.submitted
-        t0 = time.perf_counter()
-        notes: list[str] = []
-        handles = None
-        retrieve_s = 0.0
-        try:
-            if job.messages is None and job.prompt is None and len(job.question) >= MIN_CHARS \
-                    and rag.carries_documents(job.question):
-                # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
-                notes.append("the question carries documents this server knows: answered as sent, without "
-                             "retrieval (they are read from the cache)")
-                job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
-            if job.messages is not None or job.prompt is not None:  # the plain model: the prompt as sent
-                stream = rag.stream_prompt(job.messages, job.prompt, notes, tenant=job.tenant, **job.gen)
-            else:
-                indexed = _indexed(rag, self.uploads.running)
-                if self.uploads.running:
-                    notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
-                context = conversation_context(job.history or [])  # a follow-up is looked up with what came before
-                if context:
-                    notes.append(f"retrieval also read {len(context)} earlier message(s) of the conversation")
-                handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding,
-                                       context=context)
-                retrieve_s = time.perf_counter() - t0
-                question = job.question + job.instruction
-                stream = (rag.stream_turns(job.history, question, handles, notes, tenant=job.tenant, **job.gen)
-                          if job.history
-                          else rag.stream(question, handles=handles, **job.gen))
-            # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
-            # unsupported is the client's error, said before anything streams
-        except RequestError as e:
-            job.emit("error", {"status": e.status, "message": str(e), "retry_after": e.retry_after})
-            return None
-        except (ContextOverflowError, ValueError, TypeError) as e:
-            job.emit("error", {"status": 400, "message": str(e)})
-            return None
-        job.emit("start", {"sources": [_source(h) for h in handles or []], "queued_s": queued, "notes": notes})
-        return _Opened(stream, t0, queued, retrieve_s, notes, handles)
-
     def _drain(self, job: Job, o: _Opened) -> None:
         """Stream the job's answer to its events, then its statistics (and the comparison)."""
         rag, stream, t0, notes, handles = self.rag, o.stream, o.t0, o.notes, o.handles
@@ -359,18 +317,67 @@ class AnswerService:
         job.emit("done", stats)
         self.counts["answered"] += 1
         if job.compare and handles is not None and not job.cancelled.is_set():
-            # the same retrieved text prefilled in full; both TTFTs include the same retrieval
-            full = rag.answer_full_prefill(job.question, handles=handles, **job.gen)
-            full_ttft = retrieve_s + full.output.ttft_s
-            job.emit("full", {"text": full.text, "ttft_s": full_ttft, "cached_ttft_s": stats["ttft_s"],
-                              "speedup": full_ttft / max(stats["ttft_s"], 1e-9),
-                              "prompt_tokens": full.output.computed_tokens})
+            compare_full(rag, job, handles, retrieve_s, stats["ttft_s"])
 
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict:
         """What the page's cache panel shows (:func:`service_stats`)."""
         return service_stats(self)
+
+
+def open_job(service: AnswerService, job: Job) -> _Opened | None:
+    """Retrieve and build ``job``'s stream on ``service``, up to its first item (None: an error was
+    sent). The plain model's prompt, and a question that carries documents the server knows, are
+    answered as sent; any other question is retrieved for, with the conversation before it."""
+    rag = service.rag
+    queued = time.perf_counter() - job.submitted
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    handles = None
+    retrieve_s = 0.0
+    try:
+        if job.messages is None and job.prompt is None and len(job.question) >= MIN_CHARS \
+                and rag.carries_documents(job.question):
+            # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
+            notes.append("the question carries documents this server knows: answered as sent, without "
+                         "retrieval (they are read from the cache)")
+            job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
+        if job.messages is not None or job.prompt is not None:  # the plain model: the prompt as sent
+            stream = rag.stream_prompt(job.messages, job.prompt, notes, tenant=job.tenant, **job.gen)
+        else:
+            indexed = _indexed(rag, service.uploads.running)
+            if service.uploads.running:
+                notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
+            context = conversation_context(job.history or [])  # a follow-up is looked up with what came before
+            if context:
+                notes.append(f"retrieval also read {len(context)} earlier message(s) of the conversation")
+            handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding,
+                                   context=context)
+            retrieve_s = time.perf_counter() - t0
+            question = job.question + job.instruction
+            stream = (rag.stream_turns(job.history, question, handles, notes, tenant=job.tenant, **job.gen)
+                      if job.history
+                      else rag.stream(question, handles=handles, **job.gen))
+        # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
+        # unsupported is the client's error, said before anything streams
+    except RequestError as e:
+        job.emit("error", {"status": e.status, "message": str(e), "retry_after": e.retry_after})
+        return None
+    except (ContextOverflowError, ValueError, TypeError) as e:
+        job.emit("error", {"status": 400, "message": str(e)})
+        return None
+    job.emit("start", {"sources": [_source(h) for h in handles or []], "queued_s": queued, "notes": notes})
+    return _Opened(stream, t0, queued, retrieve_s, notes, handles)
+
+
+def compare_full(rag, job: Job, handles, retrieve_s: float, cached_ttft_s: float) -> None:
+    """The ``full`` event of a compare job: the same retrieved text prefilled in full (both
+    times to first token include the same retrieval)."""
+    full = rag.answer_full_prefill(job.question, handles=handles, **job.gen)
+    full_ttft = retrieve_s + full.output.ttft_s
+    job.emit("full", {"text": full.text, "ttft_s": full_ttft, "cached_ttft_s": cached_ttft_s,
+                      "speedup": full_ttft / max(cached_ttft_s, 1e-9), "prompt_tokens": full.output.computed_tokens})
 
 
 def service_stats(service: AnswerService) -> dict:
