@@ -221,7 +221,7 @@ class PromptCache:
         ones. ``prompt``: a PML prompt over an added schema, or :class:`Parts` (cached states and token ids)."""
         policy = self.policy(recompute)
         with self._lock:
-            return self._prepare(prompt, policy)(reserve)
+            return prepared(self, prompt, policy)(reserve)
 
     def generate(self, prompt: Prompt, recompute: str | Recompute | None = None, params: SamplingParams | None = None,
                  **gen) -> GenerationOutput:
@@ -241,8 +241,8 @@ class PromptCache:
         :class:`Generation` holds the output once exhausted."""
         policy, sp = self.policy(recompute), SamplingParams.of(params, **gen)
         if isinstance(prompt, Parts):
-            return self.dispatch.parts_generation(self._resolve(prompt), policy, sp)
-        prepare = self._prepare(prompt, policy)
+            return self.dispatch.parts_generation(resolved(self, prompt), policy, sp)
+        prepare = prepared(self, prompt, policy)
         return self.dispatch.generation(prepare, sp, lambda: Request(sp, self.schemas.rows(prompt) + sp.max_new_tokens,
                                                                      prepare=prepare))
 
@@ -254,7 +254,7 @@ class PromptCache:
         (:attr:`batch_refusal`) answers each alone."""
         policies = recompute if isinstance(recompute, (list, tuple)) else [recompute] * len(prompts)
         params = SamplingParams.of(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
-        return self.dispatch.generate_batch([(self._resolve(p), self.policy(rc)) for p, rc in zip(prompts, policies)],
+        return self.dispatch.generate_batch([(resolved(self, p), self.policy(rc)) for p, rc in zip(prompts, policies)],
                                             params)
 
     def text_ids(self, text: str) -> list[int]:
@@ -266,23 +266,6 @@ class PromptCache:
     def policy(self, recompute: str | Recompute | None) -> Recompute:
         """The recompute policy a call uses: its own, or the engine's default."""
         return self.recompute if recompute is None else Recompute.parse(recompute)
-
-    def _resolve(self, prompt: Parts) -> Parts:
-        """``prompt`` with its preamble kept only under ``encoding="preamble"``, its calibration parsed."""
-        return dataclasses.replace(prompt, preamble=prompt.preamble if self.encoding == "preamble" else None,
-                                   calibration=Calibration.parse(prompt.calibration))
-
-    def _prepare(self, prompt: Prompt, policy: Recompute) -> Callable[[int], PrefillResult]:
-        """``prompt``'s prefill, leaving room for that many generated tokens (run under the lock)."""
-        if isinstance(prompt, Parts):
-            return self.dispatch.prepare_parts(self._resolve(prompt), policy)
-
-        def prefill_pml(reserve: int) -> PrefillResult:
-            plan, state = self.schemas.plan(prompt)
-            pre = plan.layout.preamble if self.encoding == "preamble" else None
-            return self.prefiller.run([u.name for u in plan.units], self.schemas.states(plan, state), plan.args,
-                                      plan.uncached_ids, plan.uncached_positions, pre, reserve, policy)
-        return prefill_pml
 
     # ------------------------------------------------------------------ batching
 
@@ -331,3 +314,21 @@ class PromptCache:
                 "schemas": self.schemas.sizes(), "workspace_bytes": self.workspace.nbytes(),
                 "encoded": dict(self.encoded), "batch": self.scheduler.stats() if self.scheduler else None}
 
+
+def resolved(pc: PromptCache, prompt: Parts) -> Parts:
+    """``prompt`` with its preamble kept only under ``encoding="preamble"``, its calibration parsed."""
+    return dataclasses.replace(prompt, preamble=prompt.preamble if pc.encoding == "preamble" else None,
+                               calibration=Calibration.parse(prompt.calibration))
+
+
+def prepared(pc: PromptCache, prompt: Prompt, policy: Recompute) -> Callable[[int], PrefillResult]:
+    """``prompt``'s prefill on ``pc``, leaving room for that many generated tokens (run under the lock)."""
+    if isinstance(prompt, Parts):
+        return pc.dispatch.prepare_parts(resolved(pc, prompt), policy)
+
+    def prefill_pml(reserve: int) -> PrefillResult:
+        plan, state = pc.schemas.plan(prompt)
+        pre = plan.layout.preamble if pc.encoding == "preamble" else None
+        return pc.prefiller.run([u.name for u in plan.units], pc.schemas.states(plan, state), plan.args,
+                                plan.uncached_ids, plan.uncached_positions, pre, reserve, policy)
+    return prefill_pml

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import Parts
+from ..rag.prompt import fit_question
 
 SETS = ("plain", "competing", "cross", "rag", "lookalike")
 #: the sets answered end to end through CachedRAG (retrieval, stored states, its prompt layout)
@@ -684,7 +685,7 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, tok, plant
         enc = encoding_of(mode)
         rag, hs = rags[enc], handles[enc]
         gen = {"max_new_tokens": max_new_tokens}
-        q_ids = rag.fit_question(q.question, hs, gen)
+        q_ids = fit_question(rag, q.question, hs, gen)
         if mode == "full":
             reqs.append((Parts([], rag.full_prompt_ids(q.question, hs)), None))
             fetch.append(0.0)

@@ -36,7 +36,7 @@ from typing import Literal
 
 from ..conditioning import LearnedPrefix
 from ..docmodules import DEFAULT_SYSTEM
-from ..engine import ContextOverflowError, Generation, Parts, PromptCache
+from ..engine import Generation, Parts, PromptCache
 from ..models.attention import Calibration
 from ..moved import moved
 from ..recompute import Recompute
@@ -49,7 +49,7 @@ from .ingest import IngestTooLargeError
 from .live import LiveIndex
 from .maintenance import Upkeep
 from .states import bytes_per_token
-from .prompt import check_fits, question_ids, user_turn
+from .prompt import check_fits, fit_question, question_ids, user_turn
 from .retrieval import Retriever
 from .types import IngestReport, ModuleHandle, RAGAnswer, VerifyReport
 
@@ -220,19 +220,6 @@ class CachedRAG:
             hits = self.retriever.hits(question, k, embedding, context)
         return self.retriever.handles(hits, prefetch, notes)
 
-    def fit_question(self, question: str, handles: list[ModuleHandle], gen: dict) -> list[int]:
-        """The question's ids, or :class:`ContextOverflowError` if the prompt cannot fit."""
-        q = self.question_ids(question)
-        ctx = len(self.preamble_ids) + sum(h.n_tokens or len(self.chunks.ids(h.text, h.source)) for h in handles)
-        need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
-        if need > self.asm.max_positions:
-            raise ContextOverflowError(
-                f"the question is {len(q)} tokens; with {len(handles)} chunks ({ctx} tokens) and "
-                f"{gen.get('max_new_tokens', 64)} new tokens the prompt needs {need} positions, but the model "
-                f"takes {self.asm.max_positions}: shorten the question or retrieve fewer chunks"
-            )
-        return q
-
     def know_indexed(self) -> int:
         """Make every indexed chunk a known document of the engine, so prompts that paste chunks
         in without marks read them from the cache (:mod:`pcache_rag.discovery`). Once per
@@ -269,7 +256,7 @@ class CachedRAG:
         if handles is None:
             handles = self.retrieve(question, k)
         t_ret = time.perf_counter() - t0
-        q_ids = self.fit_question(question, handles, gen)
+        q_ids = fit_question(self, question, handles, gen)
         calibration = self.calibration[0]
         structured = gen.get("grammar") is not None  # "auto" is each:1 for a structured answer
         gen = answer_settings(gen, self.folder.recompute(self._recompute_arg, calibration, structured), calibration)
@@ -324,7 +311,7 @@ class CachedRAG:
         if handles is None:
             handles = self.retrieve(question, k, prefetch=False)
         t_ret = time.perf_counter() - t0
-        self.fit_question(question, handles, gen)
+        fit_question(self, question, handles, gen)
         gen.pop("recompute", None)  # nothing is cached: there is nothing to recompute or calibrate
         gen.pop("calibration", None)
         out = self.pc.generate(Parts([], self.full_prompt_ids(question, handles)), **gen)

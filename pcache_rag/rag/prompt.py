@@ -9,8 +9,9 @@ and the quality eval all build prompts from these.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from ..engine import PromptCache
+from ..engine import ContextOverflowError, PromptCache
 from ..docmodules import DOC_SEPARATOR, DOCUMENTS_HEADER, format_documents
 
 #: what precedes the question after the documents
@@ -54,3 +55,19 @@ def check_fits(preamble_tokens: int, k: int, chunk_tokens: int, max_positions: i
             f"question, but the model takes {max_positions}: use chunk_tokens <= {max(fit, 0)} "
             f"or a smaller k"
         )
+
+
+def fit_question(rag: Any, question: str, handles: list, gen: dict) -> list[int]:
+    """The question's ids for a prompt of ``rag``'s preamble and ``handles``' chunks, or
+    :class:`~pcache_rag.engine.ContextOverflowError` if that prompt and ``gen``'s
+    ``max_new_tokens`` cannot fit the model."""
+    q = rag.question_ids(question)
+    ctx = len(rag.preamble_ids) + sum(h.n_tokens or len(rag.chunks.ids(h.text, h.source)) for h in handles)
+    need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
+    if need > rag.asm.max_positions:
+        raise ContextOverflowError(
+            f"the question is {len(q)} tokens; with {len(handles)} chunks ({ctx} tokens) and "
+            f"{gen.get('max_new_tokens', 64)} new tokens the prompt needs {need} positions, but the model "
+            f"takes {rag.asm.max_positions}: shorten the question or retrieve fewer chunks"
+        )
+    return q
