@@ -23,77 +23,30 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the task's documents, question and calculator
-
-MODEL = "smollm2-135m-instruct"
+sys.path.insert(0, str(ROOT / "tests"))  # the task: its documents, question, tools and models (test_agents.py)
 
 
-def langgraph_steps(index: str, ns: str) -> list[tuple[list, dict]]:
-    """The ReAct agent's LLM steps: (messages sent, response metadata) each."""
-    from langchain_core.messages import AIMessage
-    from langchain_core.tools import tool
+def langgraph_steps(index: str, ns: str) -> list[tuple[dict, dict]]:
+    """The ReAct agent's steps: (the step's statistics, full prefill's of the same prompt) each."""
+    from langchain_core.messages import AIMessage, SystemMessage
     from langgraph.prebuilt import create_react_agent
 
-    from langchain_pcache import ChatPromptCache, PromptCacheRetriever, format_docs
-    from test_agents import QUESTION, SYSTEM, calculate
+    from test_agents import QUESTION, SYSTEM, langchain_parts
 
-    retriever = PromptCacheRetriever(index_dir=index, k=2)
-
-    @tool
-    def search_documents(query: str) -> str:
-        """Search the site's documents for passages about the query."""
-        return format_docs(retriever.invoke(query))
-
-    @tool(return_direct=True)
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression such as '14 * 3'."""
-        return calculate(expression)
-
-    llm = ChatPromptCache(model=MODEL, index_dir=index, max_tokens=64, namespace=ns,
-                          tool_plan=["search_documents", "calculator"])
-    agent_messages = create_react_agent(llm, [search_documents, calculator], prompt=SYSTEM).invoke(
-        {"messages": [("user", QUESTION)]})["messages"]
-    steps = []
-    for i, m in enumerate(agent_messages):
-        if isinstance(m, AIMessage):
-            steps.append((agent_messages[:i], m.response_metadata))
-    full = ChatPromptCache(model=MODEL, index_dir=index, max_tokens=1, namespace=ns + "-full", recompute="all",
-                           tool_plan=["search_documents", "calculator"]).bind_tools([search_documents, calculator])
-    from langchain_core.messages import SystemMessage
-
-    return [(meta, full.invoke([SystemMessage(SYSTEM), *sent]).response_metadata) for sent, meta in steps]
+    tools, llm = langchain_parts(index, ns)
+    messages = create_react_agent(llm, tools, prompt=SYSTEM).invoke({"messages": [("user", QUESTION)]})["messages"]
+    full = langchain_parts(index, ns + "-full", max_tokens=1, recompute="all")[1].bind_tools(tools)
+    return [(m.response_metadata, full.invoke([SystemMessage(SYSTEM), *messages[:i]]).response_metadata)
+            for i, m in enumerate(messages) if isinstance(m, AIMessage)]
 
 
 def llamaindex_steps(index: str, ns: str) -> list[tuple[dict, dict]]:
+    """The FunctionAgent's steps, as :func:`langgraph_steps`."""
     from llama_index.core.agent.workflow import AgentInput, AgentOutput, FunctionAgent
-    from llama_index.core.tools import FunctionTool
-    from pydantic import BaseModel, Field
 
-    from llama_index.llms.pcache import PromptCacheLLM, PromptCacheRetriever
-    from pcache_rag.docmodules import format_documents
-    from test_agents import QUESTION, SYSTEM, calculate
+    from test_agents import QUESTION, SYSTEM, llamaindex_parts
 
-    retriever = PromptCacheRetriever(index_dir=index, similarity_top_k=2, model=MODEL)
-
-    def search_documents(query: str) -> str:
-        """Search the site's documents for passages about the query."""
-        return format_documents([n.node.get_content() for n in retriever.retrieve(query)])
-
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression such as '14 * 3'."""
-        return calculate(expression)
-
-    class Search(BaseModel):
-        query: str = Field(max_length=60, description="what to look for")
-
-    class Arithmetic(BaseModel):
-        expression: str = Field(max_length=40, description="numbers with + - * /")
-
-    tools = [FunctionTool.from_defaults(search_documents, description=search_documents.__doc__, fn_schema=Search),
-             FunctionTool.from_defaults(calculator, description=calculator.__doc__, fn_schema=Arithmetic,
-                                        return_direct=True)]
-    llm = PromptCacheLLM(model=MODEL, index_dir=index, max_new_tokens=96, namespace=ns,
-                         tool_plan=["search_documents", "calculator"])
+    tools, llm = llamaindex_parts(index, ns)
     agent = FunctionAgent(tools=tools, llm=llm, system_prompt=SYSTEM)
 
     async def run():
@@ -105,8 +58,7 @@ def llamaindex_steps(index: str, ns: str) -> list[tuple[dict, dict]]:
     events = asyncio.run(run())
     inputs = [e.input for e in events if isinstance(e, AgentInput)]
     outputs = [e.raw for e in events if isinstance(e, AgentOutput) and e.raw]
-    full = PromptCacheLLM(model=MODEL, index_dir=index, max_new_tokens=1, namespace=ns + "-full", recompute="all",
-                          tool_plan=["search_documents", "calculator"])
+    full = llamaindex_parts(index, ns + "-full", max_new_tokens=1, recompute="all")[1]
     specs = [t.metadata.to_openai_tool() for t in tools]
     return [(meta, dict(full.chat(sent, tools=specs).additional_kwargs)) for sent, meta in zip(inputs, outputs)]
 

@@ -63,6 +63,68 @@ def calculate(expression: str) -> str:
     return str(int(v) if float(v).is_integer() else v)
 
 
+#: the tools the agents call, in this order (the model is too small to choose: pcache_rag.tools.planned)
+PLAN = ["search_documents", "calculator"]
+
+
+def langchain_parts(index: str, namespace: str, **llm_kw):
+    """The LangChain task's tools (retrieval over ``index``; the calculator returns directly) and
+    its model (``llm_kw`` over the defaults). scripts/measure-agents.py builds the same."""
+    from langchain_core.tools import tool
+
+    from langchain_pcache import ChatPromptCache, PromptCacheRetriever, format_docs
+
+    retriever = PromptCacheRetriever(index_dir=index, k=2)
+
+    @tool
+    def search_documents(query: str) -> str:
+        """Search the site's documents for passages about the query."""
+        return format_docs(retriever.invoke(query))
+
+    @tool(return_direct=True)
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression such as '14 * 3'."""
+        return calculate(expression)
+
+    kw = {"model": MODEL, "index_dir": index, "max_tokens": 64, "namespace": namespace, "tool_plan": PLAN, **llm_kw}
+    return [search_documents, calculator], ChatPromptCache(**kw)
+
+
+def llamaindex_parts(index: str, namespace: str, **llm_kw):
+    """The LlamaIndex task's tools and model, as :func:`langchain_parts`."""
+    from llama_index.core.tools import FunctionTool
+    from pydantic import BaseModel, Field
+
+    from llama_index.llms.pcache import PromptCacheLLM, PromptCacheRetriever
+    from pcache_rag.docmodules import format_documents
+
+    retriever = PromptCacheRetriever(index_dir=index, similarity_top_k=2, model=MODEL)
+
+    def search_documents(query: str) -> str:
+        """Search the site's documents for passages about the query."""
+        return format_documents([n.node.get_content() for n in retriever.retrieve(query)])
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression such as '14 * 3'."""
+        return calculate(expression)
+
+    # descriptions and schemas of their own: LlamaIndex's default description starts with the signature
+    # ("calculator(expression: str) -> str") and the 135M model copied "str" into the arguments; and a
+    # string without a maxLength let it write a query until its token limit
+    class Search(BaseModel):
+        query: str = Field(max_length=60, description="what to look for")
+
+    class Arithmetic(BaseModel):
+        expression: str = Field(max_length=40, description="numbers with + - * /")
+
+    tools = [FunctionTool.from_defaults(search_documents, description=search_documents.__doc__, fn_schema=Search),
+             FunctionTool.from_defaults(calculator, description=calculator.__doc__, fn_schema=Arithmetic,
+                                        return_direct=True)]
+    kw = {"model": MODEL, "index_dir": index, "max_new_tokens": 96, "namespace": namespace, "tool_plan": PLAN,
+          **llm_kw}
+    return tools, PromptCacheLLM(**kw)
+
+
 @pytest.fixture(scope="module")
 def index(smol, tmp_path_factory):
     from pcache_rag.rag import CachedRAG
@@ -83,26 +145,10 @@ def _cached_share(stats: dict) -> float:
 def test_langgraph_react_agent_answers_a_two_tool_task(index):
     pytest.importorskip("langgraph")
     from langchain_core.messages import AIMessage, ToolMessage
-    from langchain_core.tools import tool
     from langgraph.prebuilt import create_react_agent
 
-    from langchain_pcache import ChatPromptCache, PromptCacheRetriever, format_docs
-
-    retriever = PromptCacheRetriever(index_dir=str(index), k=2)
-
-    @tool
-    def search_documents(query: str) -> str:
-        """Search the site's documents for passages about the query."""
-        return format_docs(retriever.invoke(query))
-
-    @tool(return_direct=True)
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression such as '14 * 3'."""
-        return calculate(expression)
-
-    llm = ChatPromptCache(model=MODEL, index_dir=str(index), max_tokens=64, namespace="langgraph",
-                          tool_plan=["search_documents", "calculator"])
-    agent = create_react_agent(llm, [search_documents, calculator], prompt=SYSTEM)
+    tools, llm = langchain_parts(str(index), "langgraph")
+    agent = create_react_agent(llm, tools, prompt=SYSTEM)
     out = agent.invoke({"messages": [("user", QUESTION)]})
     ai = [m for m in out["messages"] if isinstance(m, AIMessage)]
     results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
@@ -120,36 +166,8 @@ def test_langgraph_react_agent_answers_a_two_tool_task(index):
 
 def test_llamaindex_function_agent_answers_a_two_tool_task(index):
     from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
-    from llama_index.core.tools import FunctionTool
-    from pydantic import BaseModel, Field
 
-    from llama_index.llms.pcache import PromptCacheLLM, PromptCacheRetriever
-    from pcache_rag.docmodules import format_documents
-
-    retriever = PromptCacheRetriever(index_dir=str(index), similarity_top_k=2, model=MODEL)
-
-    def search_documents(query: str) -> str:
-        """Search the site's documents for passages about the query."""
-        return format_documents([n.node.get_content() for n in retriever.retrieve(query)])
-
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression such as '14 * 3'."""
-        return calculate(expression)
-
-    llm = PromptCacheLLM(model=MODEL, index_dir=str(index), max_new_tokens=96, namespace="llamaindex",
-                         tool_plan=["search_documents", "calculator"])
-    # descriptions and schemas of their own: LlamaIndex's default description starts with the signature
-    # ("calculator(expression: str) -> str") and the 135M model copied "str" into the arguments; and a
-    # string without a maxLength let it write a query until its token limit
-    class Search(BaseModel):
-        query: str = Field(max_length=60, description="what to look for")
-
-    class Arithmetic(BaseModel):
-        expression: str = Field(max_length=40, description="numbers with + - * /")
-
-    tools = [FunctionTool.from_defaults(search_documents, description=search_documents.__doc__, fn_schema=Search),
-             FunctionTool.from_defaults(calculator, description=calculator.__doc__, fn_schema=Arithmetic,
-                                        return_direct=True)]
+    tools, llm = llamaindex_parts(str(index), "llamaindex")
     agent = FunctionAgent(tools=tools, llm=llm, system_prompt=SYSTEM)
 
     async def run():

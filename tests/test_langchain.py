@@ -85,6 +85,7 @@ TOOLS = ("test_tool_", "test_bind_runnables_as_tools", "test_agent_loop", "test_
 
 class TestChatIntegration(ChatModelIntegrationTests):
     standard_tests_except = STRUCTURED + TOOLS
+    max_tokens = 16  # the suite's own tests; the structured and tool-calling classes need room
 
     @property
     def chat_model_class(self):
@@ -92,11 +93,11 @@ class TestChatIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self):
-        return {"model": MODEL, "cache_dir": STATES, "max_tokens": 16}
+        return {"model": MODEL, "cache_dir": STATES, "max_tokens": self.max_tokens}
 
     @property
     def standard_chat_model_params(self):
-        return {"temperature": 0, "max_tokens": 16, "stop": []}
+        return {"temperature": 0, "max_tokens": self.max_tokens, "stop": []}
 
     @property
     def supports_model_override(self):
@@ -146,10 +147,7 @@ class TestRetriever(RetrieversIntegrationTests):
 class TestChatStructuredOutput(TestChatIntegration):
     standard_tests_except = ()
     standard_tests_only = STRUCTURED
-
-    @property
-    def chat_model_params(self):
-        return {"model": MODEL, "cache_dir": STATES, "max_tokens": 48}
+    max_tokens = 48
 
     @property
     def supports_json_mode(self):
@@ -164,14 +162,7 @@ class TestChatToolCalling(TestChatIntegration):
 
     standard_tests_except = ()
     standard_tests_only = TOOLS
-
-    @property
-    def chat_model_params(self):
-        return {"model": MODEL, "cache_dir": STATES, "max_tokens": 96}
-
-    @property
-    def standard_chat_model_params(self):
-        return {"temperature": 0, "max_tokens": 96, "stop": []}
+    max_tokens = 96
 
     @property
     def tool_choice_value(self):
