@@ -31,6 +31,7 @@ LOOKALIKE_330 = (["runs/2026-12-06-lookalike-330-tuning-checkpoint.json",
                   "runs/2026-12-06-lookalike-330-contrast-tuning-checkpoint.json"], "docs/runs/2026-12-06-lookalike-330.md")
 DECODE = {"AVX-512": ("runs/2026-12-06-bench-decode-avx512.json", "docs/runs/2026-12-06-decode-every-cpu.md"),
           "AVX2": ("runs/2026-12-06-bench-decode-avx2.json", "docs/runs/2026-12-06-decode-every-cpu.md")}
+AGENTS = ("runs/2026-12-07-agents.json", "docs/runs/2026-12-07-agents.md")
 DEFAULT = "cond:learned+match:1"  # the RAG default's mode name in the eval
 
 
@@ -79,6 +80,12 @@ def rows() -> list[tuple[str, str, str]]:
                     f"({bf16['ms_per_token'] / bf16['floor_ms']:.1f}x its weight-streaming floor) · beside "
                     f"{d['busy']} busy processes {stock['busy_ms_per_token']:.0f} · {bf16['busy_ms_per_token']:.0f}",
                     link))
+    agents = _load(AGENTS[0])
+    names = {"langgraph": "LangGraph ReAct", "llamaindex": "LlamaIndex FunctionAgent"}
+    cells = " · ".join(f"{names[k]} {agents[k][1]['cached_share']:.0%} cached, {agents[k][1]['speedup']:.1f}x"
+                       for k in names)
+    out.append(("an agent's second step (a retrieval tool, then a calculator), time to first token vs full "
+                "prefill", cells, AGENTS[1]))
     out.append(("bytes per cached token", _headline(bench, "bytes per cached token"), BENCH[1]))
     return out
 
