@@ -893,6 +893,13 @@ def test_tools_through_the_openai_client(served):
     assert r2.choices[0].message.content
     assert r2.usage.prompt_tokens_details.cached_tokens > 0.5 * r2.usage.prompt_tokens
 
+    # tool_choice "none": text, never a call, streamed as text
+    text = client.chat.completions.create(messages=msgs, tool_choice="none", **kw)
+    assert text.choices[0].message.tool_calls is None and "<tool" not in text.choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        messages=msgs, tool_choice="none", stream=True, **kw) if ch.choices]
+    assert "".join(parts) == text.choices[0].message.content
+
     u = srv.url + "/v1/chat/completions"
     r = httpx.post(u, json={"model": "pcache-rag", "messages": msgs, "tools": [ADD_TOOL]})
     assert r.status_code == 400 and "plain model" in r.json()["error"]["message"]
