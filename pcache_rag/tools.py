@@ -44,6 +44,10 @@ from .grammar import JSON_LAYOUT, check_schema, closed, lark_grammar
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+# A call is CALL_OPEN + NAME_AT + name + ARGS_AT + arguments + CALL_END: the one place its form is
+# spelled (the grammar, the history and the stream reader all use these). A tool's name needs no
+# JSON escaping (tools_of checks it), so the stream reader finds it between the quotes as it is.
+NAME_AT, ARGS_AT, CALL_END = '{"name": "', '", "arguments": ', "}" + CALL_CLOSE
 
 TOOLS_INSTRUCTION = (
     "You can call tools. Their JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -89,6 +93,31 @@ class ToolCall:
     @property
     def arguments_json(self) -> str:
         return json.dumps(self.arguments, ensure_ascii=False)
+
+    def openai(self) -> dict:
+        """OpenAI's shape of the call (``arguments`` as JSON text)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_json}}
+
+
+def from_openai(calls: Sequence[Any] | None, strict: bool = False) -> list[ToolCall]:
+    """Calls in OpenAI's shape (``{"id", "function": {"name", "arguments": JSON text}}``, as the
+    server receives them and LlamaIndex keeps them) as :class:`ToolCall` s. ``strict``: a call
+    without a name or with arguments that are not a JSON object is a :class:`ToolError` naming it;
+    otherwise its arguments are read as ``{}`` (a call still streaming)."""
+    out = []
+    for i, c in enumerate(calls or ()):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        fn = fn if isinstance(fn, Mapping) else {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (json.JSONDecodeError, TypeError):
+            args = None
+        name = fn.get("name")
+        if strict and (not isinstance(args, dict) or not isinstance(name, str)):
+            raise ToolError(f"tool_calls[{i}] needs a function with a name and JSON-object arguments")
+        out.append(ToolCall(str(c.get("id") or ""), name if isinstance(name, str) else "",
+                            args if isinstance(args, dict) else {}))
+    return out
 
 
 def new_id() -> str:
@@ -218,8 +247,9 @@ def _lit(s: str) -> str:
 
 
 def _head(name: str) -> str:
-    """A call's text between ``<tool_call>`` and its arguments."""
-    return '{"name": ' + _lit(name) + ', "arguments": '
+    """A call's text between ``<tool_call>`` and its arguments (a name from another model's history
+    is escaped; ours never need it)."""
+    return NAME_AT + json.dumps(name, ensure_ascii=False)[1:-1] + ARGS_AT
 
 
 def grammar(tools: Sequence[Tool], choice: str, parallel: bool = False) -> str | None:
@@ -240,7 +270,7 @@ def grammar(tools: Sequence[Tool], choice: str, parallel: bool = False) -> str |
     for i, t in enumerate(chosen):
         schema = {**closed(t.parameters), "x-guidance": JSON_LAYOUT}
         lines.append(f"args{i}: %json {json.dumps(schema)}")
-        alts.append(f"{_lit(_head(t.name))} args{i} {_lit('}' + CALL_CLOSE)}")
+        alts.append(f"{_lit(_head(t.name))} args{i} {_lit(CALL_END)}")
     lines.append("body: " + " | ".join(alts))
     if choice == "auto":  # free text until the model opens a call (a lazy trigger); then the call is constrained
         lines += ["start: TEXT | call" + ("+" if parallel else ""), "call: trig body", f"trig[lazy]: TEXT {_lit(CALL_OPEN)}", r"TEXT: /(.|\n)*/"]
@@ -263,7 +293,7 @@ def _without(word: str) -> str:
 
 def render_calls(content: str, calls: Sequence[ToolCall]) -> str:
     """An assistant turn that made ``calls``, as the model wrote it (for the conversation's history)."""
-    lines = [f'{CALL_OPEN}{{"name": {_lit(c.name)}, "arguments": {c.arguments_json}}}{CALL_CLOSE}' for c in calls]
+    lines = [CALL_OPEN + _head(c.name) + c.arguments_json + CALL_END for c in calls]
     return "\n".join(([content] if content else []) + lines)
 
 
@@ -313,9 +343,9 @@ class CallStream:
     its arguments as they are decoded (held back only by the closing ``}</tool_call>``). The
     grammar fixes a call's form, so what streams is what :func:`parse` reads at the end."""
 
-    _HEAD = CALL_OPEN + '{"name": "'
-    _MID = '", "arguments": '
-    _TAIL = "}" + CALL_CLOSE
+    _HEAD = CALL_OPEN + NAME_AT
+    _MID = ARGS_AT
+    _TAIL = CALL_END
 
     def __init__(self) -> None:
         self._buf = ""
@@ -394,4 +424,4 @@ def _partial(buf: str, tag: str) -> int:
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "CallStream", "Delta", "Tool", "ToolCall", "ToolError", "ToolUse", "ToolWarning", "choice_of",
-           "grammar", "instruction", "new_id", "parse", "planned", "prepare", "render_calls", "tools_of", "with_tools"]
+           "from_openai", "grammar", "instruction", "new_id", "parse", "planned", "prepare", "render_calls", "tools_of", "with_tools"]

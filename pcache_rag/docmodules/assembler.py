@@ -250,8 +250,9 @@ class Assembler(DocumentStates):
             parts.append(("prefix", kv))
         names = [key] if prefix else []  # what each part is (its store key, and where it sits)
         deferred: list[list[int]] = []
-        keys = [self.key(stored) for _, stored in mid]  # each hashed once: the look-up and the read share it
-        missing = ([j for j, key in enumerate(keys) if not in_context[j] and not self._stored(key, tenant)]
+        # each document's key hashed once (the look-up and the read share it); a turn's is its context's
+        keys = [None if turn else self.key(stored) for (_, stored), turn in zip(mid, in_context)]
+        missing = ([j for j, key in enumerate(keys) if key is not None and not self._stored(key, tenant)]
                    if self.defer_first_sight else [])
         if missing:  # from the first unseen document on, the prompt is computed in one forward
             deferred = [mid[j][1] for j in missing]
@@ -267,14 +268,16 @@ class Assembler(DocumentStates):
                 names.append(name)
                 pos += len(ids)
                 continue
-            kv, new = self.prompt_states(stored, tenant, keys[j])
+            doc_key = keys[j]
+            assert doc_key is not None
+            kv, new = self.prompt_states(stored, tenant, doc_key)
             kv = kv.head(len(ids))
             encoded += len(ids) if new else 0
             if pos != self.start:
                 kv, new = self.place(kv, pos, tenant)
                 encoded += len(ids) if new else 0
             parts.append((f"doc{j}", kv))
-            names.append(f"{keys[j]}@{pos}")
+            names.append(f"{doc_key}@{pos}")
             pos += len(ids)
         texts = [s.text for s in segments if s.kind == "document"]
         return _Plan(parts, tail, total, encoded, n_docs, uncached, deferred, tenant, texts)
@@ -338,8 +341,8 @@ class Assembler(DocumentStates):
 def pieces_of(states: DocumentStates, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
     """``segments`` as pieces ``(kind, ids the prompt reads, ids whose stored states hold them)``,
     kind ``"plain"`` (``"turn"`` when it holds chat markup), ``"document"`` or ``"cut"``: plain runs
-    tokenized together, each document
-    on its own (with its separator where the prompt has it; else a head of its stored states)."""
+    tokenized together, each document on its own (with its separator where the prompt has it; else
+    a head of its stored states)."""
     # 1. group: plain runs tokenized together; documents with the separator after them where
     # the prompt has it (else their states without it, and what follows is read as written)
     groups: list[tuple[str, list]] = []  # ("plain", [(text, is_markup)]) | ("document", [text, whole])

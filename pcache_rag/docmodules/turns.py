@@ -59,7 +59,10 @@ def extend_prefix(asm: DocumentStates, head: list[int], prefix: list[int], key: 
         return None
     ctx = head_kv.to(dtype=asm.encoder.adapter.dtype)  # (L, H, len(head), D), dequantized if int8
     rest = asm.encoder.encode(prefix[len(head):], list(range(len(head), len(prefix))), context=ctx)
-    kv = ModuleKV.concat([ctx, rest]).to(dtype=asm.store_dtype)
+    if head_kv.quantized:  # int8 states are joined in float and quantized again, as one unit
+        kv = ModuleKV.concat([ctx, rest]).to(dtype=asm.store_dtype)
+    else:  # the head's stored states as they are: only the rest is converted
+        kv = ModuleKV.concat([head_kv, rest.to(dtype=asm.store_dtype)])
     asm.learned.put(tenant, key, kv)
     return kv
 

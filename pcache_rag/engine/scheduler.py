@@ -80,7 +80,6 @@ class Scheduler:
         self.core = core
         self._lock = core.lock  # the engine's: one step at a time over its workspace
         self.max_batch = int(max_batch)
-        self.prefill_tokens = int(prefill_tokens)
         s = core.adapter.kv_shape
         per_row = s.bytes_per_token(torch.empty(0, dtype=core.adapter.dtype).element_size())
         self.kv_budget = int(kv_budget) if kv_budget is not None else max(
@@ -88,7 +87,7 @@ class Scheduler:
         self._pending: deque[Request] = deque()
         self.batch = Batch()  # the admitted requests and their rows
         self.counts = self.batch.counts  # what the steps did (the runner counts them)
-        self.runner = StepRunner(core, self.prefill_tokens)
+        self.runner = StepRunner(core, int(prefill_tokens))  # it holds the step's prefill budget
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -113,6 +112,11 @@ class Scheduler:
         """Every request submitted and not yet finished (a copy: waiting, prefilling, decoding)."""
         with self._cond:
             return list(self._pending) + list(self.batch.filling) + list(self.batch.live)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """New tokens prefilled a step, across requests (the runner's budget; admission spends it too)."""
+        return self.runner.prefill_tokens
 
     @property
     def live_rows(self) -> int:

@@ -219,19 +219,10 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
 
 def _calls(m: dict, i: int) -> list[tools.ToolCall]:
     """An assistant message's ``tool_calls`` (OpenAI's shape: arguments as JSON text)."""
-    out = []
-    for c in m.get("tool_calls") or []:
-        fn = c.get("function") if isinstance(c, dict) else None
-        fn = fn if isinstance(fn, dict) else {}
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except (json.JSONDecodeError, TypeError):
-            args = None
-        if not isinstance(args, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"messages[{i}].tool_calls: each needs a function with a name and JSON-object "
-                               "arguments", param="messages")
-        out.append(tools.ToolCall(str(c.get("id") or ""), fn["name"], args))
-    return out
+    try:
+        return tools.from_openai(m.get("tool_calls"), strict=True)
+    except tools.ToolError as e:
+        raise RequestError(f"messages[{i}].{e}", param="messages") from None
 
 
 def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
@@ -322,9 +313,8 @@ async def _respond(request: Request, data: dict, job, notes: list[str], chat: bo
         if read_calls:
             content, calls, bad = tools.parse("".join(text))
             if calls:
-                answer["message"] = {"role": "assistant", "content": content or None, "tool_calls": [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-                    for c in calls]}
+                answer["message"] = {"role": "assistant", "content": content or None,
+                                     "tool_calls": [c.openai() for c in calls]}
                 answer["finish_reason"] = "tool_calls"
             if bad:
                 notes = notes + [f"a tool call was cut short by max_tokens and is left out: {bad[0]['args'][:80]!r}"]

@@ -274,7 +274,8 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         tools are listed in the system message and a call's JSON is decoded under its tool's
         parameter schema (:mod:`pcache_rag.tools`): ``AIMessage.tool_calls`` always parse.
         ``tool_choice``: ``"auto"`` (default), ``"any"``/``"required"``/``True`` (a call must be
-        made), a tool's name, or ``"none"``. ``parallel_tool_calls=False``: at most one call.
+        made), a tool's name, or ``"none"``. One call an answer unless ``parallel_tool_calls=True``
+        (a small model allowed more repeats its call until its token limit).
         ``strict`` is accepted: the grammar is always strict."""
         from langchain_core.utils.function_calling import convert_to_openai_tool
 

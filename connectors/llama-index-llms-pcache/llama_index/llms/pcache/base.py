@@ -257,15 +257,8 @@ class PromptCacheLLM(FunctionCallingLLM):
                                      **kwargs: Any) -> list[ToolSelection]:
         """The response's tool calls (complete ones; a call still streaming has its arguments so far,
         read leniently)."""
-        out = []
-        for c in response.message.additional_kwargs.get("tool_calls") or []:
-            fn = c.get("function", {})
-            try:
-                args = json.loads(fn.get("arguments") or "{}")
-            except json.JSONDecodeError:  # mid-stream: not yet whole
-                args = {}
-            out.append(ToolSelection(tool_id=c.get("id") or "", tool_name=fn.get("name", ""),
-                                     tool_kwargs=args if isinstance(args, dict) else {}))
+        out = [ToolSelection(tool_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
+               for c in tools.from_openai(response.message.additional_kwargs.get("tool_calls"))]
         if not out and error_on_no_tool_call:
             raise ValueError(f"the model called no tool; it answered: {(response.message.content or '')[:200]!r}")
         return out
@@ -370,14 +363,7 @@ _TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 def _calls_of(m: ChatMessage) -> list[tools.ToolCall]:
     """An assistant message's tool calls: OpenAI's shape in ``additional_kwargs`` (ours, and other
     LLMs' in a shared history) or ``ToolCallBlock`` s."""
-    out = []
-    for c in m.additional_kwargs.get("tool_calls") or []:
-        fn = c.get("function", {}) if isinstance(c, dict) else {}
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except json.JSONDecodeError:
-            args = {}
-        out.append(tools.ToolCall(c.get("id") or "", fn.get("name", ""), args if isinstance(args, dict) else {}))
+    out = tools.from_openai(m.additional_kwargs.get("tool_calls"))
     if not out:
         for b in m.blocks:
             if getattr(b, "block_type", None) == "tool_call":
