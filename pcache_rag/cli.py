@@ -360,7 +360,8 @@ def cmd_eval(a) -> int:
     summary = run_eval(a.model, n=n, doc_tokens=doc_tokens, k=a.k, modes=a.modes or DEFAULT_MODES,
                        sets=a.sets or SETS, max_new_tokens=new, seed=a.seed, out_dir=a.out, log=log, split=a.split,
                        checkpoint=a.checkpoint, workdir=a.workdir, prefix=a.prefix, learn_steps=a.learn_steps,
-                       question_template=a.question_template, decode_weights=a.decode_weights)
+                       question_template=a.question_template, decode_weights=a.decode_weights,
+                       query_weights=a.query_weights)
     for set_name, rows in summary["sets"].items():
         log(f"\n{set_name}:")
         for m, r in rows.items():
@@ -608,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--learn-steps", type=_positive, default=96, help="steps when cond:learned learns its prefix")
     e.add_argument("--decode-weights", choices=("int8", "bf16"), default=None,
                    help="decode every answer with these weights (prompts keep fp32), against a run without")
+    e.add_argument("--query-weights", choices=("bf16",), default=None,
+                   help="the cached modes' new and recomputed rows read the bf16 decode weights too (as the RAG default "
+                        "does; needs --decode-weights bf16); full prefill keeps fp32")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 

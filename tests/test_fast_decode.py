@@ -1,6 +1,7 @@
 """Decode weights (:mod:`pcache_rag.models.fast_decode`): generated tokens read int8 or bf16
 copies of the linear weights, prompt tokens the model's own fp32 ones; a request decodes the
-same alone or in a batch; a format that cannot run or fails its self-check is refused by name."""
+same alone or in a batch; a format that cannot run or fails its self-check is refused by name.
+An engine's query weights give the rows computed over cached states the bf16 copies too."""
 
 from __future__ import annotations
 
@@ -83,3 +84,48 @@ def test_decode_weights_are_refused_by_name(smol_tok, monkeypatch, caplog):
     half = tiny_model("llama", len(smol_tok), seed=3).to(torch.bfloat16)
     rep = use_decode_weights(half, "int8", smol_tok)
     assert rep.fmt is None and "not float32" in rep.refused
+
+
+def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok):
+    """``query_weights="bf16"``: a cached prompt's new and recomputed rows read the bf16 decode
+    weights; a prompt with nothing cached, and the states an engine encodes, stay fp32 bit for bit."""
+    model = tiny_model("llama", len(smol_tok), seed=5)
+    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
+    pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
+                     query_weights="bf16")
+    assert (pc.core.query_weights, pq.core.query_weights) == ("fp32", "bf16")
+    parts, q = contiguous_parts(pc, TEXTS, " Which code opens the north door?")
+    for recompute in ("none", "match:1"):
+        want = pc.prefill(Parts(parts, q), recompute=recompute)
+        got = pq.prefill(Parts(parts, q), recompute=recompute)
+        assert got.computed_tokens == want.computed_tokens and got.recomputed_tokens == want.recomputed_tokens
+        err = float((got.logits - want.logits).norm() / want.logits.norm())
+        assert 0 < err < 0.05, f"{recompute}: the query rows must read bf16 weights, and stay close ({err})"
+    ids = pc.safe.text(TEXTS[0] + TEXTS[1])
+    assert torch.equal(pq.prefill(Parts([], ids)).logits, pc.prefill(Parts([], ids)).logits), \
+        "nothing cached: the model's own weights"
+    pos = list(range(len(ids)))
+    a, b = pc.encoder.encode(ids, pos), pq.encoder.encode(ids, pos)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), "stored states are never computed in bf16"
+
+
+def test_query_weights_match_alone_and_in_a_batch(smol_tok):
+    model = tiny_model("llama", len(smol_tok), seed=5)
+    pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
+                     query_weights="bf16")
+    reqs = [contiguous_parts(pq, TEXTS[i:] + TEXTS[:i], q) for i, q in
+            enumerate([" Which code opens it?", " What did the heron watch?", " Where are the maps?"])]
+    plain = Parts([], pq.safe.text(TEXTS[2] + " Where are the maps?"))
+    prompts = [Parts(p, n) for p, n in reqs] + [plain]
+    batch = pq.generate_batch(prompts, max_new_tokens=8)
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == pq.generate(prompt, max_new_tokens=8).token_ids
+
+
+def test_query_weights_are_refused_by_name(smol_tok):
+    for decode in (None, "int8"):
+        model = tiny_model("llama", len(smol_tok), seed=3)
+        with pytest.raises(ValueError, match="query_weights='bf16' reads the bf16 decode weights"):
+            PromptCache(model, smol_tok, decode_weights=decode, query_weights="bf16")
+    with pytest.raises(ValueError, match="query_weights must be"):
+        PromptCache(tiny_model("llama", len(smol_tok), seed=3), smol_tok, decode_weights="bf16", query_weights="int8")

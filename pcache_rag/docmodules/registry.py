@@ -31,17 +31,18 @@ def default_states_dir() -> Path:
 
 def shared_engine(model: str | None = None, cache_dir: str | None = None) -> PromptCache:
     """One :class:`PromptCache` per ``(model, cache_dir)`` in this process, loaded on first use
-    (decoding with the RAG default's bf16 weights).
+    (decoding, and computing over cached states, with the RAG default's bf16 weights).
     Framework classes are built from this plain config (so they serialize), and every class
     with the same config shares one engine and one store."""
     key = _engine_key(model, cache_dir)
     with _REG_LOCK:
         pc = _ENGINES.get(key)
         if pc is None:
-            from ..models.fast_decode import RAG_DECODE_WEIGHTS
+            from ..models.fast_decode import RAG_DECODE_WEIGHTS, RAG_QUERY_WEIGHTS
 
             pc = _ENGINES[key] = PromptCache.from_pretrained(None if key[0] == "default" else key[0],
-                                                             cache_dir=key[1], decode_weights=RAG_DECODE_WEIGHTS)
+                                                             cache_dir=key[1], decode_weights=RAG_DECODE_WEIGHTS,
+                                                             query_weights=RAG_QUERY_WEIGHTS)
         return pc
 
 

@@ -57,10 +57,13 @@ class EngineCore:
     ``max_tokens`` rows to start with (it grows), ``decode_weights`` (``"int8"``/``"bf16"``
     copies of the linear weights for generated tokens, self-checked) when asked for, and with
     ``fused_decode`` the fused decode step (:mod:`~pcache_rag.models.decode_step`) in those
-    weights (fp32 without them) wherever the model allows it."""
+    weights (fp32 without them) wherever the model allows it; with ``query_weights="bf16"`` (which
+    needs bf16 decode weights) the rows computed over cached states read them too
+    (:mod:`.prefill`, "Query weights")."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_tokens: int | None = None,
-                 decode_weights: str | None = None, fused_decode: bool = True) -> None:
+                 decode_weights: str | None = None, fused_decode: bool = True,
+                 query_weights: str | None = None) -> None:
         self.model = model.eval()
         self.adapter = adapter_for(model)
         #: how OpenMP's idle-worker spin was set ("pcache_rag", "user" or "too late": warned once)
@@ -84,6 +87,9 @@ class EngineCore:
                 log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
                 self.adapter.rerotatable = False
         self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
+        #: what the rows computed over cached states read: "bf16" (the decode weights) or "fp32"
+        self.query_weights = self._query_weights(query_weights, decode_weights, model)
+        self.prefiller.query_weights = self.query_weights == "bf16"
         step, self.decode_path = None, "stock transformers step (fused_decode=False)"
         if fused_decode:
             # the format asked for, or one an earlier engine gave this model's layers (the batch step reads it)
@@ -100,6 +106,23 @@ class EngineCore:
         self.decoder = Decoder(self.adapter, tokenizer, eos_ids(model, tokenizer), step)
         #: called with every finished generation's output
         self.listeners = Listeners()
+
+    def _query_weights(self, asked: str | None, decode_weights: str | None, model: torch.nn.Module) -> str:
+        """The weights of the rows computed over cached states: ``asked`` checked against the
+        decode weights the model carries (refused by name without bf16 ones; "fp32" kept, with a
+        warning, where the bf16 decode weights were refused at load)."""
+        if asked in (None, "fp32"):
+            return "fp32"
+        if asked != "bf16":
+            raise ValueError(f"query_weights must be 'bf16', 'fp32' or None, not {asked!r}")
+        if decode_weights != "bf16" and installed_format(model) != "bf16":
+            raise ValueError("query_weights='bf16' reads the bf16 decode weights: give decode_weights='bf16' too "
+                             f"(not {decode_weights!r})")
+        if installed_format(model) != "bf16":  # asked for, refused by the self-check: said there already
+            log.warning("query_weights='bf16' refused, fp32 kept: the bf16 decode weights were refused (%s)",
+                        self.decode_report.refused if self.decode_report is not None else "not installed")
+            return "fp32"
+        return "bf16"
 
     # ------------------------------------------------------------------ prefill
 

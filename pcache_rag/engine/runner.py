@@ -112,15 +112,21 @@ class StepRunner:
             return
         seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in batch.live]  # type: ignore[union-attr]
         budget = self.prefill_tokens
+        over_cache: list[tuple[Request, list[int]]] = []  # chunks of prompts with cached parts
+        plain: list[tuple[Request, list[int]]] = []  # chunks of prompts with nothing cached
         for r in batch.filling:
             if budget <= 0:
                 break
             chunk = r.new_ids[r.fed : r.fed + budget]
-            seqs.append((r, chunk))
+            (over_cache if r.counts[0] > 0 else plain).append((r, chunk))
             budget -= len(chunk)
+        seqs += over_cache + plain
         if not seqs:
             return
-        logits = ragged_forward(self.core, seqs, len(batch.live))  # (B, vocab)
+        # the leading rows read the decode weights: the generated tokens, and with the engine's
+        # query weights the chunks computed over cached states (as a solo prefill computes them)
+        small = len(batch.live) + (sum(len(c) for _, c in over_cache) if self.core.prefiller.query_weights else 0)
+        logits = ragged_forward(self.core, seqs, small)  # (B, vocab)
         B = len(seqs)
         decoding = len(batch.live)
         batch.counts["steps"] += 1
@@ -210,10 +216,10 @@ def fused_forward(core: EngineCore, reqs: list[Request]) -> torch.Tensor:
                      [r.rows_view for r in reqs])
 
 
-def ragged_forward(core: EngineCore, seqs: list, decoding: int) -> torch.Tensor:
-    """One forward of the model over ``seqs`` (``(request, token ids)`` each: the first ``decoding``
-    a generated token, the rest a chunk of a prompt), each over its own rows (:class:`RaggedStep`);
-    the logits (B, vocab) at each sequence's last token."""
+def ragged_forward(core: EngineCore, seqs: list, small: int) -> torch.Tensor:
+    """One forward of the model over ``seqs`` (``(request, token ids)`` each: a generated token,
+    or a chunk of a prompt), each over its own rows (:class:`RaggedStep`); the logits (B, vocab)
+    at each sequence's last token. The first ``small`` token rows read the decode weights, if any."""
     dev = core.adapter.device
     kvs = [r.kv for r, _ in seqs]
     step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
@@ -234,7 +240,7 @@ def ragged_forward(core: EngineCore, seqs: list, decoding: int) -> torch.Tensor:
     pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
                        dtype=torch.long, device=dev)
     ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
-    with ragged(step), generated_rows(decoding):  # the generated tokens lead: the decode weights, if any
+    with ragged(step), generated_rows(small):
         logits = core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
     if step.calls == 0:
         raise UnsupportedModelError(f"{type(core.model).__name__} does not run its attention through "

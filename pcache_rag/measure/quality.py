@@ -432,11 +432,12 @@ class _Synthetic:
     per encoding at the canonical position right after the preamble, and placed at contiguous
     slots like the RAG path (RoPE re-rotation)."""
 
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, query_weights: str | None = None):
         from ..engine import PromptCache
         from ..docmodules import preamble_ids
 
-        self.pcs = {enc: PromptCache(model, tok, encoding=enc) for enc in ("isolated", "preamble")}
+        self.pcs = {enc: PromptCache(model, tok, encoding=enc, query_weights=query_weights)
+                    for enc in ("isolated", "preamble")}
         pc = self.pcs["preamble"]
         self.pre_ids = preamble_ids(pc, SYSTEM)  # the same prompt pieces as CachedRAG
         P = len(self.pre_ids)
@@ -608,7 +609,8 @@ RAG_CORPORA = {"rag": rag_corpus, "lookalike": lookalike_corpus}
 
 
 def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: int, split: str = "reporting",
-             encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None, set_name: str = "rag"):
+             encodings=("isolated", "preamble"), retrieval: str = "hybrid", prefix=None, set_name: str = "rag",
+             query_weights: str | None = None):
     """An ingested corpus of planted-fact files (:data:`RAG_CORPORA` of ``set_name``), a
     CachedRAG per encoding over it, and the hash of the questions and files."""
     from ..models.fast_decode import installed_format
@@ -624,7 +626,7 @@ def _rag_set(model, tok, workdir: Path, n: int, doc_tokens: int, k: int, seed: i
         index = Index(folder)
         # the decode weights of the whole run (run_eval's --decode-weights, else fp32), not the RAG default
         pc = index.engine(model, tok, encoding="isolated" if enc == "isolated" else "preamble",
-                          decode_weights=installed_format(model) or "fp32")
+                          decode_weights=installed_format(model) or "fp32", query_weights=query_weights or "fp32")
         rag = CachedRAG(index, pc=pc, k=k, chunk_tokens=doc_tokens + 64, system_prompt=SYSTEM, conditioning=cond,
                         retrieval=retrieval)
         rag.ingest([corpus], progress=False)
@@ -839,7 +841,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
              sets=SETS, max_new_tokens: int = 24, seed: int = 0, workdir: str | Path | None = None,
              out_dir: str | Path | None = "docs", log=print, checkpoint: str | Path | None = None,
              split: str = "reporting", prefix: str | Path | None = None, learn_steps: int = 96,
-             question_template: str | None = None, decode_weights: str | None = None) -> dict:
+             question_template: str | None = None, decode_weights: str | None = None,
+             query_weights: str | None = None) -> dict:
     """Run every mode on the same questions of ``split`` (``tuning`` to choose settings,
     ``reporting`` to report them); returns the results (also written to ``out_dir``).
     ``cond:learned`` reads the learned prefix at ``prefix`` (a file); where there is none it is
@@ -848,7 +851,9 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     text after the documents (``"Question: {question}"``) on the synthetic sets: a framework's own
     prompt (:data:`QUESTION_TEMPLATES` names LlamaIndex's), whose words join the question's.
     ``decode_weights`` (``"int8"``, ``"bf16"``) decodes every mode's answer with those weights
-    (:mod:`pcache_rag.models.fast_decode`), to set against a run without them on the same questions."""
+    (:mod:`pcache_rag.models.fast_decode`), to set against a run without them on the same questions;
+    ``query_weights="bf16"`` (with bf16 decode weights, as the RAG default runs) computes every cached
+    mode's new and recomputed rows with them too (full prefill keeps the model's own weights)."""
     import tempfile
 
     import torch
@@ -884,6 +889,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
             raise ValueError(f"a question template applies to the synthetic sets only (the end-to-end sets "
                              f"{', '.join(rag_sets)} ask through CachedRAG's own prompt)")
     _split(split)
+    if query_weights not in (None, "fp32") and decode_weights != query_weights:
+        raise ValueError(f"query_weights={query_weights!r} reads the decode weights: give decode_weights={query_weights!r}")
     torch.manual_seed(seed)
     model, tok = load_model(model_path)
     if decode_weights is not None:
@@ -895,9 +902,10 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     t_start = time.perf_counter()
     config = {"n_per_set": n, "doc_tokens": doc_tokens, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
               "split": split, "modes": list(modes), **({"decode_weights": decode_weights} if decode_weights else {}),
+              **({"query_weights": query_weights} if query_weights not in (None, "fp32") else {}),
               "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
-    syn = _Synthetic(model, tok)
+    syn = _Synthetic(model, tok, query_weights)
     if question_template is not None:  # in the config, so a checkpoint never mixes prompts
         syn.template = config["question_template"] = question_template
     learned = None
@@ -941,7 +949,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
                 wd = wd / set_name
             qs, rags, hashes[set_name] = _rag_set(model, tok, wd, n, doc_tokens, k, seed, split,
                                                   {encoding_of(m) for m in modes if m not in FULL_MODES},
-                                                  prefix=syn.prefix, set_name=set_name)
+                                                  prefix=syn.prefix, set_name=set_name, query_weights=query_weights)
             _check_inputs({set_name: hashes[set_name]}, saved, checkpoint)
             planted = {f for qq in qs for f in qq.facts}
         else:

@@ -1,6 +1,7 @@
 """Decode-step linear layers in fewer bytes: the generated tokens' projections read int8 or
 bf16 copies of the weights, while every prompt token (prefill, encoding, recompute) keeps the
-model's own fp32 weights. These layers serve the steps that run through the model's own
+model's own fp32 weights, unless an engine's ``query_weights="bf16"`` gives the rows computed
+over cached states the bf16 copies too (:mod:`pcache_rag.engine.prefill`). These layers serve the steps that run through the model's own
 forward (a continuous batch of several sequences, models the fused step does not compute);
 a stream decoding alone takes :mod:`.decode_step` in the same format, with the same rounding.
 
@@ -45,6 +46,9 @@ DECODE_WEIGHTS = ("int8", "bf16")
 #: (4 sets x 100 questions: accuracy within a point, McNemar p >= 0.5, 90% of answers identical;
 #: docs/runs/2026-12-04-fused-decode.md). A bare PromptCache keeps fp32 unless asked.
 RAG_DECODE_WEIGHTS = "bf16"
+#: the RAG stack's rows computed over cached states (new tokens, recomputed rows) read the same
+#: bf16 weights (an engine's ``query_weights``; :mod:`pcache_rag.engine.prefill`)
+RAG_QUERY_WEIGHTS = "bf16"
 #: the self-check's bounds: the decode path's logits against fp32's on a fixed prompt
 MAX_REL_ERROR = 0.05
 #: the self-check's prompt
@@ -188,5 +192,5 @@ def use_decode_weights(model: torch.nn.Module, fmt: str, tokenizer) -> DecodeWei
     return DecodeWeightsReport(fmt, len(swapped), fp32_bytes, small, err)
 
 
-__all__ = ["DECODE_WEIGHTS", "RAG_DECODE_WEIGHTS", "DecodeLinear", "DecodeWeightsReport", "decoding", "installed_format",
+__all__ = ["DECODE_WEIGHTS", "RAG_DECODE_WEIGHTS", "RAG_QUERY_WEIGHTS", "DecodeLinear", "DecodeWeightsReport", "decoding", "installed_format",
            "use_decode_weights"]

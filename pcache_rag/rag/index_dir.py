@@ -283,7 +283,8 @@ class Index:
         folder or ``.gguf`` file, or None for the embedded default; ``engine_args`` go to
         :class:`~pcache_rag.PromptCache` (``encoding``, ``store_dtype``, ``decode_weights``...).
         Generated tokens read bf16 decode weights unless ``decode_weights`` says otherwise
-        (:data:`~pcache_rag.models.fast_decode.RAG_DECODE_WEIGHTS`; ``"fp32"`` keeps the model's)."""
+        (:data:`~pcache_rag.models.fast_decode.RAG_DECODE_WEIGHTS`; ``"fp32"`` keeps the model's),
+        and so do the rows computed over cached states unless ``query_weights="fp32"``."""
         from ..default_model import load_model
         from ..engine import PromptCache
         from ..store import default_store
@@ -295,8 +296,10 @@ class Index:
                                           device=engine_args.pop("device", None), dtype=engine_args.pop("dtype", None))
         device = next(model.parameters()).device
         store = default_store(device, self.kv_dir, disk_budget=disk_budget, kv_url=kv_url)
-        if engine_args.get("decode_weights") is None:
-            from ..models.fast_decode import RAG_DECODE_WEIGHTS
+        from ..models.fast_decode import RAG_DECODE_WEIGHTS, RAG_QUERY_WEIGHTS
 
+        if engine_args.get("decode_weights") is None:
             engine_args["decode_weights"] = RAG_DECODE_WEIGHTS
+        if engine_args.get("query_weights") is None and engine_args["decode_weights"] == "bf16":
+            engine_args["query_weights"] = RAG_QUERY_WEIGHTS
         return PromptCache(model, tokenizer, store=store, cache_dir=str(self.kv_dir), **engine_args)
