@@ -86,7 +86,14 @@ def test_decode_weights_are_refused_by_name(smol_tok, monkeypatch, caplog):
     assert rep.fmt is None and "not float32" in rep.refused
 
 
-def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok):
+@pytest.fixture
+def bf16_fast(monkeypatch):
+    """bf16 products taken as fast on this CPU, whatever it has: the mechanism is tested everywhere
+    (without bf16 instructions they are merely slow)."""
+    monkeypatch.setattr("pcache_rag.engine.core.slow_bf16_products", lambda device: "")
+
+
+def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok, bf16_fast):
     """``query_weights="bf16"``: a cached prompt's new and recomputed rows read the bf16 decode
     weights; a prompt with nothing cached, and the states an engine encodes, stay fp32 bit for bit."""
     model = tiny_model("llama", len(smol_tok), seed=5)
@@ -109,7 +116,7 @@ def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok):
     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), "stored states are never computed in bf16"
 
 
-def test_query_weights_match_alone_and_in_a_batch(smol_tok):
+def test_query_weights_match_alone_and_in_a_batch(smol_tok, bf16_fast):
     model = tiny_model("llama", len(smol_tok), seed=5)
     pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
                      query_weights="bf16")
@@ -129,3 +136,17 @@ def test_query_weights_are_refused_by_name(smol_tok):
             PromptCache(model, smol_tok, decode_weights=decode, query_weights="bf16")
     with pytest.raises(ValueError, match="query_weights must be"):
         PromptCache(tiny_model("llama", len(smol_tok), seed=3), smol_tok, decode_weights="bf16", query_weights="int8")
+
+
+def test_query_weights_stay_fp32_where_bf16_products_are_slow(smol_tok, monkeypatch, caplog):
+    """A CPU without bf16 dot-product instructions (an AVX2 one) keeps the exact fp32 rows, and says so."""
+    from pcache_rag.engine.core import slow_bf16_products
+
+    monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "sse4_2 avx avx2 fma f16c")
+    assert "no bf16 dot-product instructions" in slow_bf16_products(torch.device("cpu"))
+    assert slow_bf16_products(torch.device("cuda")) == ""
+    with caplog.at_level("INFO", logger="pcache_rag.engine.core"):
+        pc = PromptCache(tiny_model("llama", len(smol_tok), seed=3), smol_tok, decode_weights="bf16",
+                         query_weights="bf16")
+    assert pc.core.query_weights == "fp32" and not pc.prefiller.query_weights
+    assert "fp32 kept, this CPU has no bf16 dot-product instructions" in caplog.text

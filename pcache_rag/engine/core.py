@@ -122,6 +122,10 @@ class EngineCore:
             log.warning("query_weights='bf16' refused, fp32 kept: the bf16 decode weights were refused (%s)",
                         self.decode_report.refused if self.decode_report is not None else "not installed")
             return "fp32"
+        why = slow_bf16_products(self.adapter.device)
+        if why:  # the exact path is kept where bf16 would buy nothing: said, not warned (the RAG default asks)
+            log.info("query_weights='bf16': fp32 kept, %s", why)
+            return "fp32"
         return "bf16"
 
     # ------------------------------------------------------------------ prefill
@@ -165,6 +169,23 @@ class EngineCore:
     def batch_refusal(self) -> str:
         """Why this model cannot decode in a batch ('' when it can)."""
         return batch_refusal(self.adapter)
+
+
+def slow_bf16_products(device: torch.device) -> str:
+    """Why bf16 products would be no faster than fp32's on ``device`` ('' where they are): on a
+    CPU, bf16 runs fast through oneDNN only with bf16 dot-product instructions (x86's
+    ``avx512_bf16`` or ``amx_bf16``, Arm's ``bf16``); without them oneDNN converts and computes
+    in fp32, or is not used at all (an AVX2 CPU)."""
+    if device.type != "cpu":
+        return ""
+    from ..models.kernels import cpu_flags
+
+    flags = set(cpu_flags().split())
+    if not flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+        return "this CPU has no bf16 dot-product instructions (avx512_bf16, amx_bf16 or Arm's bf16)"
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this build of torch runs no oneDNN bf16 products on this CPU"
+    return ""
 
 
 def batch_refusal(adapter) -> str:
