@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
     q.add_argument("--recompute", default=None, metavar="POLICY",
                    help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, each:N, all "
-                        "(default: the RAG default, match:1, unless the index is calibrated)")
+                        "(default: the RAG default, each:1, unless the index is calibrated)")
     q.set_defaults(fn=cmd_ask)
 
     v = sub.add_parser("serve", help="the document-QA web app and an OpenAI-compatible API over an index")
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunks (smaller: smoother streams, slower long prompts)")
     v.add_argument("--max-upload-mb", type=float, default=20.0, help="largest uploaded file")
     v.add_argument("--recompute", default=None, metavar="POLICY",
-                   help="recompute policy for answers (default: match:1, unless the index is calibrated)")
+                   help="recompute policy for answers (default: each:1, unless the index is calibrated)")
     v.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 and /api (repeatable: one key per client, and what "
                         "each client's prompts teach is kept for that key alone; default: $PCACHE_RAG_API_KEY, "

@@ -54,7 +54,8 @@ def run_demo(a) -> int:
     t = time.perf_counter()
     pc = index.engine(a.model)
     print(f"model: {pc.model.config.model_type} ({sum(p.numel() for p in pc.model.parameters()) / 1e6:.0f}M), "
-          f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}; decoding: {pc.core.decode_path}")
+          f"loaded in {time.perf_counter() - t:.1f}s; encoding={pc.encoding}; decoding: {pc.core.decode_path}; "
+          f"rows over cached states: {pc.core.query_weights} weights")
     from .measure.decode_bench import step_floor
 
     floor = step_floor(pc)

@@ -77,15 +77,19 @@ FOCUS_WINDOW = 4
 #: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
 MATCH_MAX_TOKENS = 64
 #: the policy of answers over retrieved or marked documents (``CachedRAG(recompute="auto")``, the
-#: connectors' default, ``"auto"`` in :func:`resolve_auto`): the question's own sentence, recomputed
-#: in context (issue 20: on 100 tuning questions of competing facts it answered 47 against the
-#: learned prefix's 33 and full prefill's 45, at ~18x full prefill's TTFT; docs/runs/quality-tuning-match.md)
-RAG_RECOMPUTE = "match:1"
-#: ``"auto"`` for a structured answer (a grammar constrains it): the matched sentence of *every*
-#: document, recomputed. Over four look-alike documents per prompt, 24 structured prompts per draw
-#: (scripts/measure-structured-recompute.py), ``match:1`` changed 17 and 19 answers of full
-#: prefill's where reordering the documents changed 14 and 13 (its floor); ``each:1`` changed 14
-#: and 12 (tuning seed 0, reporting seed 1; docs/runs/2026-12-06-structured-recompute.md)
+#: connectors' default, ``"auto"`` in :func:`resolve_auto`): the question's sentence in *every*
+#: retrieved document, recomputed in context. It was ``match:1`` (the best-matching sentence only:
+#: issue 20, competing facts, 47 against full prefill's 45 at ~18x). Over documents that state the
+#: same kind of fact about other subjects (issue 56's look-alike corpus, ~330-token documents),
+#: ``match:1`` trailed full prefill by 14 points on 150 tuning questions (38 against 59, p = 0.001)
+#: where ``each:1`` answered 55 (p = 0.45) at 10.2x, with the rows over cached states in bf16
+#: (docs/runs/2026-12-07-lookalike-default.md, which also has the reporting draw and the four sets)
+RAG_RECOMPUTE = "each:1"
+#: ``"auto"`` for a structured answer (a grammar constrains it): the same. Over four look-alike
+#: documents per prompt, 24 structured prompts per draw (scripts/measure-structured-recompute.py),
+#: ``match:1`` changed 17 and 19 answers of full prefill's where reordering the documents changed 14
+#: and 13 (its floor); ``each:1`` changed 14 and 12 (tuning seed 0, reporting seed 1;
+#: docs/runs/2026-12-06-structured-recompute.md)
 STRUCTURED_RECOMPUTE = "each:1"
 #: ``match``: the units whose sentences a :class:`Lexicon` keeps (~16 KB each at 400 tokens, measured;
 #: cutting a unit again costs ~3 ms)

@@ -89,8 +89,8 @@ def test_question_markup_is_text_and_only_the_question_is_computed(rag):
     o = ans.output
     assert o.computed_tokens == len(rag.question_ids(q))
     assert o.cached_tokens == len(rag.preamble_ids) + sum(h.n_tokens for h in ans.handles)
-    d = rag.answer(q, max_new_tokens=4)  # the RAG default (match:1) recomputes the sentence about rivers
-    assert rag.recompute == "match:1" and d.output.recomputed_tokens > 0
+    d = rag.answer(q, max_new_tokens=4)  # the RAG default (each:1) recomputes the sentence about rivers
+    assert rag.recompute == "each:1" and d.output.recomputed_tokens > 0
     assert d.output.computed_tokens == len(rag.question_ids(q)) + d.output.recomputed_tokens
     assert d.output.cached_tokens == o.cached_tokens - d.output.recomputed_tokens
     assert rag.pc.tokenizer.decode(rag.question_ids(q)).startswith("Question: " + q)
@@ -240,7 +240,7 @@ def test_lazy_chunks_turn_hot_on_first_use_and_an_eager_ingest_fills_the_rest(sm
     rag.close()
 
 
-def test_recompute_default_is_match_unless_calibrated(smol, tmp_path, corpus):
+def test_recompute_default_is_each_unless_calibrated(smol, tmp_path, corpus):
     """``recompute="auto"`` (the default) is RAG_RECOMPUTE; None is the engine's own; an index
     whose calibrated attention is in force answers uncalibrated policies not at all: auto
     yields to the calibration."""
@@ -251,7 +251,7 @@ def test_recompute_default_is_match_unless_calibrated(smol, tmp_path, corpus):
     assert resolve_auto("auto", "ape:0.9:0.9") is None and resolve_auto("epic:4", "ape:0.9:0.9") == "epic:4"
     assert resolve_auto(None) is None
     r = CachedRAG(tmp_path / "index", pc=smol, k=2, chunk_tokens=16)
-    assert r.recompute == RAG_RECOMPUTE == "match:1"
+    assert r.recompute == RAG_RECOMPUTE == "each:1"
     assert CachedRAG(tmp_path / "index", pc=smol, recompute=None).recompute is None
     assert CachedRAG(tmp_path / "index", pc=smol, recompute="EPIC:4").recompute == "epic:4"
     cal = CachedRAG(tmp_path / "index", pc=smol, calibration="ape:0.9:0.9")

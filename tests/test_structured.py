@@ -150,11 +150,11 @@ def test_closed_objects_and_instructions():
 def test_auto_recomputes_every_documents_sentence_for_a_structured_answer():
     """``"auto"`` is ``each:1`` when a grammar constrains the answer (on look-alike documents
     ``match:1`` changed more structured answers than reordering does:
-    docs/runs/2026-12-06-structured-recompute.md), ``match:1`` otherwise, and nothing under a
-    calibration; an explicit policy is itself."""
+    docs/runs/2026-12-06-structured-recompute.md), and the same otherwise (issue 56), and nothing
+    under a calibration; an explicit policy is itself."""
     from pcache_rag.recompute import RAG_RECOMPUTE, STRUCTURED_RECOMPUTE, resolve_auto
 
     assert resolve_auto("auto", structured=True) == STRUCTURED_RECOMPUTE == "each:1"
-    assert resolve_auto("auto") == RAG_RECOMPUTE == "match:1"
+    assert resolve_auto("auto") == RAG_RECOMPUTE == "each:1"
     assert resolve_auto("auto", "ape:1:1", structured=True) is None
     assert resolve_auto("match:2", structured=True) == "match:2"

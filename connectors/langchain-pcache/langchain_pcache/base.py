@@ -179,9 +179,10 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     States live in ``index_dir/kv`` (an index made by ``pcache-rag ingest``), else in
     ``cache_dir`` (default ``~/.cache/pcache-rag/states``). Sampling: ``temperature`` 0 is
     greedy; ``top_p``, ``seed`` and ``stop`` are honoured. ``recompute`` sets the quality
-    recovery policy: ``"auto"`` (the default) is ``CachedRAG``'s, ``match:1`` (the question's own
-    sentence of the documents, recomputed in context); ``None`` or ``"none"`` reads the cache
-    alone; others: ``"epic:16"``, ``"blend:0.15"`` (see :mod:`pcache_rag.recompute`).
+    recovery policy: ``"auto"`` (the default) is ``CachedRAG``'s, ``each:1`` (in each document, the
+    sentence that shares most words with the question, recomputed in context); ``None`` or
+    ``"none"`` reads the cache alone; others: ``"match:1"``, ``"epic:16"``, ``"blend:0.15"`` (see
+    :mod:`pcache_rag.recompute`).
     ``document_preamble`` is the system prompt documents are encoded against; the prompt's
     own system message may differ (only its prefix is encoded then). ``learn_documents``
     (default True): documents pasted without marks that nothing has seen are taken from the

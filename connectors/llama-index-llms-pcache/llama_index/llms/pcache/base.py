@@ -106,7 +106,7 @@ class PromptCacheLLM(FunctionCallingLLM):
     seed: int | None = None
     stop: list[str] | None = None
     recompute: str | None = Field(default="auto", description="quality recovery policy: 'auto' (the RAG default, "
-                                  "match:1), None or 'none' (the cache alone), 'epic:16', 'blend:0.15'")
+                                  "each:1), None or 'none' (the cache alone), 'match:1', 'epic:16', 'blend:0.15'")
     document_preamble: str = DEFAULT_SYSTEM
     learn_documents: bool = Field(default=True, description="take a prompt's unknown documents from its blocks "
                                   "between blank lines, encoded on first sight and read from the cache next time")
