@@ -145,6 +145,12 @@ def test_query_weights_stay_fp32_where_bf16_products_are_slow(smol_tok, monkeypa
     monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "sse4_2 avx avx2 fma f16c")
     assert "no bf16 dot-product instructions" in slow_bf16_products(torch.device("cpu"))
     assert slow_bf16_products(torch.device("cuda")) == ""
+    monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "avx2 avx512f avx512_bf16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "capped below bf16" in slow_bf16_products(torch.device("cpu"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert slow_bf16_products(torch.device("cpu")) == ""
+    monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "sse4_2 avx avx2 fma f16c")
     with caplog.at_level("INFO", logger="pcache_rag.engine.core"):
         pc = PromptCache(tiny_model("llama", len(smol_tok), seed=3), smol_tok, decode_weights="bf16",
                          query_weights="bf16")

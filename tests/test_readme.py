@@ -37,7 +37,8 @@ def test_the_readmes_numbers_are_its_run_reports():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.readme_table(README.read_text()) == mod.table()
-    edited = README.read_text().replace("plain 67 vs 65", "plain 70 vs 65")
+    have = mod.readme_table(README.read_text())
+    edited = README.read_text().replace(have, have.replace(" vs ", " vs 1", 1))  # one number typed by hand
     assert edited != README.read_text() and mod.readme_table(edited) != mod.table(), "the check can fail"
 
 

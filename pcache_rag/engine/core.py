@@ -9,6 +9,7 @@ and the :class:`~.dispatch.Dispatcher` receive this core, typed, not the facade;
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
@@ -183,8 +184,11 @@ def slow_bf16_products(device: torch.device) -> str:
     flags = set(cpu_flags().split())
     if not flags & {"avx512_bf16", "amx_bf16", "bf16"}:
         return "this CPU has no bf16 dot-product instructions (avx512_bf16, amx_bf16 or Arm's bf16)"
-    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this build of torch runs no oneDNN bf16 products on this CPU"
+    if not torch.backends.mkldnn.is_available():
+        return "this build of torch has no oneDNN"
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    if not any(word in cap for word in ("ALL", "BF16", "AMX", "FP16", "AVX10")):
+        return f"oneDNN is capped below bf16 dot products (ONEDNN_MAX_CPU_ISA={cap})"
     return ""
 
 

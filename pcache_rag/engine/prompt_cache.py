@@ -96,11 +96,7 @@ class PromptCache:
         ``decode_weights``: ``"int8"`` or ``"bf16"`` copies of the linear weights for generated tokens
         only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`); None or
         ``"fp32"``: the model's own.
-        ``query_weights``: ``"bf16"`` (with bf16 ``decode_weights``): the rows computed over cached
-        states (a prompt's new tokens, recomputed rows) read those bf16 weights too, 1.2-1.35x faster
-        on a CPU with bf16 dot products (fp32 kept elsewhere); a prompt with nothing cached, and every
-        state that is stored, keep the model's own (:mod:`pcache_rag.engine.prefill`;
-        ``core.query_weights`` says what is in force).
+        ``query_weights="bf16"`` (with bf16 ``decode_weights``): rows over cached states read them too.
         ``fused_decode``: decode alone with the fused step (:mod:`pcache_rag.models.decode_step`) where
         the model allows; ``core.decode_path`` says which step runs and why.
         """
