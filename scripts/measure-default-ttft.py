@@ -1,0 +1,63 @@
+"""The RAG default's time to first token against full prefill on look-alike questions, as the eval
+times them (fetching the states, assembling, the forward), on this CPU's instruction set or a capped one.
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 PCACHE_RAG_KERNELS=avx2 \
+      .venv/bin/python scripts/measure-default-ttft.py --n 24
+"""
+from __future__ import annotations
+
+import argparse, json, os, statistics, sys, tempfile, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import pcache_rag  # noqa: F401  - before torch
+    import torch
+    from pcache_rag.conditioning import LearnedPrefix
+    from pcache_rag.default_model import load_model
+    from pcache_rag.engine import Parts
+    from pcache_rag.measure import quality as Q
+    from pcache_rag.measure.decode_bench import cpu_line
+    from pcache_rag.models.fast_decode import RAG_DECODE_WEIGHTS, RAG_QUERY_WEIGHTS, use_decode_weights
+    from pcache_rag.rag.prompt import fit_question
+    from pcache_rag.recompute import RAG_RECOMPUTE
+
+    model, tok = load_model()
+    use_decode_weights(model, RAG_DECODE_WEIGHTS, tok)
+    prefix = LearnedPrefix.load(ROOT / "pcache_rag/data/learned/smollm2-135m-instruct.safetensors")
+    with tempfile.TemporaryDirectory() as wd:
+        qs, rags, _ = Q._rag_set(model, tok, Path(wd), a.n, 330, 4, 0, "tuning", {"cond:learned"}, prefix=prefix,
+                                 set_name="lookalike", query_weights=RAG_QUERY_WEIGHTS)
+        rag = rags["cond:learned"]
+        pc = rag.pc
+        cached, full = [], []
+        for q in qs:
+            hs = rag.retrieve(q.question)
+            q_ids = fit_question(rag, q.question, hs, {"max_new_tokens": 24})
+            pc.workspace.invalidate()
+            t0 = time.perf_counter()
+            parts = rag.chunks.parts(hs)
+            o = pc.generate(Parts(parts, q_ids, "preamble"), recompute=RAG_RECOMPUTE, max_new_tokens=1)
+            cached.append(time.perf_counter() - t0 - (o.total_s - o.ttft_s))
+            f = pc.generate(Parts([], rag.full_prompt_ids(q.question, hs)), max_new_tokens=1)
+            full.append(f.ttft_s)
+        out = {"cpu": cpu_line(), "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                                                       "ONEDNN_MAX_CPU_ISA", "PCACHE_RAG_KERNELS")
+                                          if k in os.environ},
+               "query_weights": pc.core.query_weights, "recompute": RAG_RECOMPUTE, "n": len(qs),
+               "cached_ms": statistics.median(cached) * 1e3, "full_ms": statistics.median(full) * 1e3}
+        out["speedup"] = out["full_ms"] / out["cached_ms"]
+        print(json.dumps(out))
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
