@@ -6,7 +6,13 @@ times them (fetching the states, assembling, the forward), on this CPU's instruc
 """
 from __future__ import annotations
 
-import argparse, json, os, statistics, sys, tempfile, time
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +25,6 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import pcache_rag  # noqa: F401  - before torch
-    import torch
     from pcache_rag.conditioning import LearnedPrefix
     from pcache_rag.default_model import load_model
     from pcache_rag.engine import Parts
