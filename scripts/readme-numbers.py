@@ -27,6 +27,9 @@ BENCH = ("benchmarks.json", "docs/benchmarks.md")
 QUALITY = ("runs/2026-12-07-four-sets-reporting-checkpoint.json", "docs/runs/2026-12-07-lookalike-default.md")
 #: the look-alike set at ~330-token documents (issue 56's own shape), reporting draw, in the same report
 LOOKALIKE = ("runs/2026-12-07-lookalike-330-reporting-checkpoint.json", "docs/runs/2026-12-07-lookalike-default.md")
+#: the RAG default's TTFT on look-alike prompts with this CPU's instruction set and capped to AVX2
+DEFAULT_TTFT = ({"AVX-512 BF16": "runs/2026-12-07-default-ttft-avx512.json", "AVX2": "runs/2026-12-07-default-ttft-avx2.json"},
+                "docs/runs/2026-12-07-lookalike-default.md")
 DECODE = {"AVX-512": ("runs/2026-12-06-bench-decode-avx512.json", "docs/runs/2026-12-06-decode-every-cpu.md"),
           "AVX2": ("runs/2026-12-06-bench-decode-avx2.json", "docs/runs/2026-12-06-decode-every-cpu.md")}
 AGENTS = ("runs/2026-12-07-agents.json", "docs/runs/2026-12-07-agents.md")
@@ -71,6 +74,13 @@ def rows() -> list[tuple[str, str, str]]:
              f"{agree(BEFORE)})", f"full prefill with the documents reversed agrees {agree('full-reordered')}"]
     out.append((f"answers right of {len(look['full']['correct'])}, look-alike facts in ~330-token documents "
                 "(reporting draw)", " · ".join(cells), LOOKALIKE[1]))
+    cells = []
+    for isa, rel in DEFAULT_TTFT[0].items():
+        d = _load(rel)
+        cells.append(f"{isa} {d['speedup']:.1f}x ({d['query_weights']} rows; {d['cached_ms']:.0f} ms vs "
+                     f"{d['full_ms']:,.0f} ms)")
+    out.append((f"time to first token of the RAG default on look-alike prompts, vs full prefill, by CPU "
+                f"({d['n']} questions each)", " · ".join(cells), DEFAULT_TTFT[1]))
     for isa, (rel, link) in DECODE.items():
         d = _load(rel)
         by = {r["name"]: r for r in d["rows"]}
