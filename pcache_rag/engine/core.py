@@ -116,10 +116,11 @@ class EngineCore:
             return "fp32"
         if asked != "bf16":
             raise ValueError(f"query_weights must be 'bf16', 'fp32' or None, not {asked!r}")
-        if decode_weights != "bf16" and installed_format(model) != "bf16":
+        have = installed_format(model)  # what the model's layers carry after this engine's decode weights
+        if decode_weights != "bf16" and have != "bf16":
             raise ValueError("query_weights='bf16' reads the bf16 decode weights: give decode_weights='bf16' too "
                              f"(not {decode_weights!r})")
-        if installed_format(model) != "bf16":  # asked for, refused by the self-check: said there already
+        if have != "bf16":  # asked for, refused by the self-check: said there already
             log.warning("query_weights='bf16' refused, fp32 kept: the bf16 decode weights were refused (%s)",
                         self.decode_report.refused if self.decode_report is not None else "not installed")
             return "fp32"

@@ -906,6 +906,8 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
               "model": getattr(model.config, "_name_or_path", "") or model.config.model_type}
     results: dict[str, dict[str, ModeResult]] = {}
     syn = _Synthetic(model, tok, query_weights)
+    if "query_weights" in config:  # what is in force (a CPU without bf16 dot products keeps fp32), not what was asked
+        config["query_weights"] = syn.pcs["preamble"].core.query_weights
     if question_template is not None:  # in the config, so a checkpoint never mixes prompts
         syn.template = config["question_template"] = question_template
     learned = None
