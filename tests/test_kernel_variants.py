@@ -35,7 +35,7 @@ def _run(cmd: list[str]) -> list[str]:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("variant ") and len(lines) == 13, lines[:2]
+    assert lines[0].startswith("variant ") and len(lines) == 14, lines[:2]
     return lines
 
 

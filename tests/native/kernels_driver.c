@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
     pc_gemm_f32(W, X, Y, bias, N, K, M, 0); show("gemm_f32", Y, M * N);
     pc_gemm_bf16(Wb, X, Y, bias, N, K, M, 1); show("gemm_bf16_add", Y, M * N);
     pc_gemm_int8(Wi, scale, X, Y, NULL, N, K, M, 0); show("gemm_int8", Y, M * N);
+    /* rows left over after the tiles (37 = 4 * 9 + 1), and one row of X over (3 = 2 + 1) */
+    pc_gemm_bf16(Wb, X, Y, bias, N - 3, K, M - 2, 0); show("gemm_bf16_rest", Y, (M - 2) * (N - 3));
     float* q = malloc(sizeof(float) * H * G * D), *Kc = malloc(sizeof(float) * H * NK * D), *Vc = malloc(sizeof(float) * H * NK * D);
     float* s = malloc(sizeof(float) * H * G * NK), *out = malloc(sizeof(float) * H * G * D);
     float* part = malloc(sizeof(float) * pc_weighted_sum_scratch(H, G, D, NK));
