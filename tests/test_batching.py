@@ -179,6 +179,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(pc):
     assert sched.counts["max_batch_seen"] == 3  # all three shared steps
 
 
+def test_prompts_with_nothing_cached_are_prefilled_together_whatever_the_policy(pc):
+    """A prompt with no cached part has no context to recompute, so the policy cannot matter:
+    under ``epic:2`` too it is prefilled in the batch's steps, several in one forward (a solo
+    prefill each cost a whole forward of the model), to the answers each gets alone."""
+    plains = [pc.safe.text(t + " Say it again:") for t in TEXTS]
+    want = [pc.generate(Parts([], ids), recompute="epic:2", max_new_tokens=8) for ids in plains]
+    batch = [pc.dispatch.request(Parts([], list(ids)), pc.policy("epic:2"), SamplingParams(max_new_tokens=8))
+             for ids in plains]
+    assert all(r.prepare is None for r in batch)  # the steps prefill them, not the engine
+    sched = Scheduler(pc.core, 4, 4096, None)
+    outs = run_batch(sched, batch)
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+    assert [(o.cached_tokens, o.computed_tokens) for o in outs] == [(0, len(ids)) for ids in plains]
+    assert sched.counts["prefills"] == 0 and sched.counts["chunks"] == len(plains)
+    # one forward took every prompt: the first step had all four chunks
+    assert sched.counts["max_batch_seen"] == len(plains)
+    # with a cached part the policy matters, and the engine prefills it (recomputed rows)
+    parts, q = _requests(pc)[0]
+    assert pc.dispatch.request(Parts(parts, q), pc.policy("epic:2"), SamplingParams()).prepare is not None
+
+
 def test_a_cancelled_request_leaves_the_batch_and_frees_its_rows(pc):
     parts, q = _requests(pc)[0]
     sched = pc.start_batching(max_batch=4)

@@ -49,9 +49,12 @@ class Dispatcher:
         return lambda reserve: self.core.prefill_parts(prompt, reserve, policy)
 
     def request(self, prompt: Parts, policy: Recompute, params: SamplingParams) -> Request:
-        """The batch request of ``prompt`` (:func:`.scheduler.parts_request`)."""
+        """The batch request of ``prompt`` (:func:`.scheduler.parts_request`). Its new tokens are
+        prefilled in the batch's steps when nothing is recomputed: under ``recompute="none"``, or
+        when nothing is cached (no context to recompute, whatever the policy); several such
+        prompts then share one forward, where the engine's own prefill costs one forward each."""
         return parts_request(self.core, prompt.parts, list(prompt.new_ids), params, self.prepare_parts(prompt, policy),
-                             policy.kind == "none", Calibration.parse(prompt.calibration))
+                             policy.kind == "none" or not prompt.parts, Calibration.parse(prompt.calibration))
 
     def generate_batch(self, prompts: list[tuple[Parts, Recompute]], params: SamplingParams) -> list[GenerationOutput]:
         """Greedy answers to ``(prompt, policy)`` pairs, prefilled and decoded together in one batch;
