@@ -261,6 +261,7 @@ class FusedDecodeStep:
         self._sin = torch.empty(D // 2, dtype=dt, device=dev)
         self._checked: set[tuple[int, int, int]] = set()  # (keys address, values address, capacity) checked
         self._many: list[torch.Tensor] | None = None  # many()'s scratch, grown to the largest batch seen
+        self._many_q = torch.empty(0)  # many()'s rotated queries (M, H D)
         if lib is not None:
             self._attn = kernels.Attention(lib, Hkv, H // Hkv, D)
         #: the thread count the last token ran on (the C kernels fit it to the free CPUs)
@@ -346,6 +347,7 @@ class FusedDecodeStep:
         if self._many is None or self._many[0].shape[0] < M:
             dims = (hidden, hidden, (H + 2 * Hkv) * D, H * D, 2 * inter, inter, self.head.out_features, D // 2, D // 2)
             self._many = [torch.empty(max(M, 4), d) for d in dims]  # (M, d) each
+            self._many_q = torch.empty(max(M, 4), H * D)
         h, x, qkv, att, gu, act, logits, cos, sin = (t[:M] for t in self._many)
         ns = []
         for i, (token, position, layers) in enumerate(zip(tokens, positions, seqs)):
@@ -372,28 +374,26 @@ class FusedDecodeStep:
         lib, attn = self._lib, self._attn
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         hidden, eps, inter, scale = self._h.numel(), self.eps, self.inter, D ** -0.5
-        hp, xp, qkvp, attp, gup, actp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
-                                                     for t in (h, x, qkv, att, gu, act, cos, sin))  # each row's address
-        qp = self._q.data_ptr()
+        qkvp, attp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
+                                  for t in (qkv, att, cos, sin))  # each row's address
+        q = self._many_q[:M]  # (M, H D): each sequence's rotated queries
+        qp = [q.data_ptr() + i * H * D * 4 for i in range(M)]
+        hp, xp, gup, actp = h.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr()
         for li, lay in enumerate(self.layers):
-            for i in range(M):
-                lib.pc_rmsnorm(hp[i], lay.norm1.data_ptr(), xp[i], hidden, eps)
-            lay.qkv.gemv.raw_many(x.data_ptr(), qkv.data_ptr(), M)  # type: ignore[union-attr]
-            for i in range(M):
-                kb, vb = seqs[i][li].buffers
-                lib.pc_rope_write(qkvp[i], cosp[i], sinp[i], H, Hkv, D, qp, kb.data_ptr(), vb.data_ptr(), kb.stride(0),
-                                  ns[i])
-                attn(qp, kb, vb, ns[i] + 1, scale, attp[i])
-            lay.o.gemv.raw_many(att.data_ptr(), h.data_ptr(), M, True)  # type: ignore[union-attr]
-            for i in range(M):
-                lib.pc_rmsnorm(hp[i], lay.norm2.data_ptr(), xp[i], hidden, eps)
-            lay.gate_up.gemv.raw_many(x.data_ptr(), gu.data_ptr(), M)  # type: ignore[union-attr]
-            for i in range(M):
-                lib.pc_silu_mul(gup[i], actp[i], inter)
-            lay.down.gemv.raw_many(act.data_ptr(), h.data_ptr(), M, True)  # type: ignore[union-attr]
-        for i in range(M):
-            lib.pc_rmsnorm(hp[i], self.norm.data_ptr(), xp[i], hidden, eps)
-        self.head.gemv.raw_many(x.data_ptr(), logits.data_ptr(), M)  # type: ignore[union-attr]
+            kv = [seqs[i][li].buffers for i in range(M)]
+            lib.pc_rmsnorm_rows(hp, lay.norm1.data_ptr(), xp, M, hidden, eps)
+            lay.qkv.gemv.raw_many(xp, qkv.data_ptr(), M)  # type: ignore[union-attr]
+            for i, (kb, vb) in enumerate(kv):
+                lib.pc_rope_write(qkvp[i], cosp[i], sinp[i], H, Hkv, D, qp[i], kb.data_ptr(), vb.data_ptr(),
+                                  kb.stride(0), ns[i])
+            attn.many(M, q.data_ptr(), H * D, kv, [n + 1 for n in ns], scale, att.data_ptr(), att.stride(0))
+            lay.o.gemv.raw_many(att.data_ptr(), hp, M, True)  # type: ignore[union-attr]
+            lib.pc_rmsnorm_rows(hp, lay.norm2.data_ptr(), xp, M, hidden, eps)
+            lay.gate_up.gemv.raw_many(xp, gup, M)  # type: ignore[union-attr]
+            lib.pc_silu_mul_rows(gup, actp, M, inter)
+            lay.down.gemv.raw_many(actp, hp, M, True)  # type: ignore[union-attr]
+        lib.pc_rmsnorm_rows(hp, self.norm.data_ptr(), xp, M, hidden, eps)
+        self.head.gemv.raw_many(xp, logits.data_ptr(), M)  # type: ignore[union-attr]
 
     def _step_torch(self, layers, n: int) -> None:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim

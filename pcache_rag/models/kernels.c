@@ -166,8 +166,8 @@ static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to e
     return f;
 }
 
-/* w . x over K floats (K a multiple of 16) for one row w of each format, summed as the header
- * says; tile_<fmt> below sums each of its products exactly so. */
+/* w . x over K floats (K a multiple of 16), summed as the header says (attention's scores);
+ * tile_<fmt> below sums each of its products exactly so. */
 #define PC_DOT(NAME, WT, WLOAD)                                                                       \
     static inline __attribute__((always_inline)) float NAME(const WT* w, const float* x, int64_t K) { \
         v16 acc = v16_zero();                                                                         \
@@ -175,8 +175,6 @@ static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to e
         return v16_sum(acc);                                                                          \
     }
 PC_DOT(dot_f32, float, v16_f32)
-PC_DOT(dot_bf16, uint16_t, v16_bf16)
-PC_DOT(dot_int8, int8_t, v16_i8)
 
 /* The products Y[M, N] = X[M, K] . W[N, K]^T (+ bias[N]), added to Y when ``add`` (a residual
  * connection); one token is M = 1. K a multiple of 16; W row-major. Every (m, n) is one dot
@@ -338,61 +336,155 @@ void pc_gemm_int8(const int8_t* W, const float* scale, const float* X, float* Y,
     gemm(2, W, scale, X, Y, bias, N, K, M, add);
 }
 
-/* Attention scores of one query token: s[h, g, j] = scale * q[h, g, :] . K[h, j, :] for the
- * G query heads g of each of the H key heads h (grouped-query attention: no head repeated),
- * keys j < n. q: (H, G, D); K: head h's rows start at K + h * head_stride, D floats a row;
- * s: (H, G, n). D a multiple of 16 and at most 256; G at most 16. */
-void pc_scores(const float* q, const float* K, int64_t head_stride, float* s, int64_t H, int64_t G, int64_t D,
-               int64_t n, float scale) {
-    const int64_t B = 64;  /* keys a work item */
-    const int64_t nb = (n + B - 1) / B;
-    int nt = pc_threads();
-    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-    for (int64_t it = 0; it < H * nb; it++) {
-        int64_t h = it / nb, j0 = (it % nb) * B, j1 = j0 + B < n ? j0 + B : n;
-        const float* qh = q + h * G * D;
-        for (int64_t j = j0; j < j1; j++) {
-            const float* k = K + h * head_stride + j * D;
-            for (int64_t g = 0; g < G; g++) s[(h * G + g) * n + j] = dot_f32(qh + g * D, k, D) * scale;
-        }
-    }
+/* exp(x) from IEEE additions and multiplications only (no library call, no fused multiply-add),
+ * so that every build computes the same bits, and a loop of it vectorizes. x is clamped to
+ * [-87.3, 88] (2^n stays a normal float); then x = n ln2 + r with n = round(x / ln2) (the
+ * 1.5 * 2^23 trick rounds it to the nearest), |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
+ * polynomial, and 2^n written into the exponent bits: within 2.5e-7 of exp (relative, measured).
+ * libm's expf is not used: its bits may differ between libraries and architectures. */
+static inline float pc_expf(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
+    const float big = 12582912.0f; /* 1.5 * 2^23 */
+    float t = x * 1.44269504f + big;
+    float n = t - big;
+    float r = x - n * 0.693359375f; /* ln2 in two parts (Cephes'): n * hi is exact */
+    r = r + n * 2.12194440e-4f;
+    float e = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f
+                  + r * 0.00138888892f)))));
+    int32_t i;
+    memcpy(&i, &t, 4);
+    i = (i - 0x4B400000) + 127; /* n, then its biased exponent */
+    uint32_t b = (uint32_t)i << 23;
+    float s2;
+    memcpy(&s2, &b, 4);
+    return e * s2;
 }
 
-/* The attention output: out[h, g, :] = sum_j p[h, g, j] V[h, j, :] (p: softmaxed scores,
- * (H, G, n); V laid out as K in pc_scores; out: (H, G, D)). The keys are summed in blocks of
- * PC_KB, each block into its own partial output (V read once, row by row), and the partials
- * added in block order: the same sums whatever the thread count. ``part``: scratch of
- * ceil(n / PC_KB) * H * G * D floats. */
-#define PC_KB 128
-int64_t pc_weighted_sum_scratch(int64_t H, int64_t G, int64_t D, int64_t n) { return (n + PC_KB - 1) / PC_KB * H * G * D; }
+/* The sum of x[0 .. n) in 16 lanes (lane i takes k = i mod 16), added as v16_sum's tree: the
+ * same bits in every build. */
+static inline float pc_sum16(const float* x, int64_t n) {
+    float l[16] = {0.f};
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int i = 0; i < 16; i++) l[i] += x[k + i];
+    for (int i = 0; k + i < n; i++) l[i] += x[k + i];
+    float t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    for (int i = 0; i < 2; i++) v[i] = u[i] + u[i + 2];
+    return v[0] + v[1];
+}
 
-void pc_weighted_sum(const float* p, const float* V, int64_t head_stride, float* out, int64_t H, int64_t G,
-                     int64_t D, int64_t n, float* part) {
-    const int64_t HGD = H * G * D, nb = (n + PC_KB - 1) / PC_KB;
+/* The attention of one new token of each of M sequences over its own cached keys, in one
+ * parallel region (a decode step's layer: one call for the whole batch, where a call a
+ * sequence cost three calls, two thread barriers and a torch softmax, ~27 us each).
+ *
+ * Sequence i: queries q + i * qs, (H, G, D) (grouped-query attention: the G query heads of
+ * key head h read h's keys, never repeated); keys and values at the addresses kp[i] and vp[i],
+ * head h's rows from kp[i] + h * hs[i] floats, D a row, the first n[i] of them; output
+ * out + i * os, (H, G, D). D a multiple of 16 and at most 256; G at most 16.
+ *
+ * Each sequence, as it would alone: s[h, g, j] = scale * q[h, g] . K[h, j] (dot_f32); p =
+ * softmax over j (the row's max subtracted, pc_expf, pc_sum16, one division a key); out[h, g]
+ * = sum_j p[h, g, j] V[h, j], the keys summed in blocks of PC_KB, each block into its own
+ * partial, the partials added in block order. No sum depends on the thread count, on M, or on
+ * which other sequences share the call. ``scratch``: pc_attention_scratch(...) floats. */
+#define PC_KB 128
+#define PC_SB 64 /* keys a work item of the scores */
+static inline int64_t pc_ceil(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t pc_attention_scratch(int64_t M, const int64_t* n, int64_t H, int64_t G, int64_t D) {
+    int64_t f = 0;
+    for (int64_t i = 0; i < M; i++) f += H * G * n[i] + pc_ceil(n[i], PC_KB) * H * G * D;
+    return f;
+}
+
+/* the sequence whose items [first[i], first[i + 1]) hold ``it`` (M is small: a scan) */
+static inline int64_t pc_owner(const int64_t* first, int64_t M, int64_t it) {
+    int64_t i = 0;
+    while (i + 1 < M && first[i + 1] <= it) i++;
+    return i;
+}
+
+void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, const int64_t* vp, const int64_t* hs,
+                  const int64_t* n, float* out, int64_t os, int64_t H, int64_t G, int64_t D, float scale,
+                  float* scratch) {
+    const int64_t HG = H * G, HGD = H * G * D;
+    int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * 5 * (M + 1));
+    if (!idx) return;
+    /* per sequence: where its scores and partials start, and its first item of each phase */
+    int64_t *s0 = idx, *p0 = idx + (M + 1), *f1 = idx + 2 * (M + 1), *f3 = idx + 3 * (M + 1), *nb = idx + 4 * (M + 1);
+    s0[0] = 0, f1[0] = 0, f3[0] = 0;
+    for (int64_t i = 0; i < M; i++) {
+        nb[i] = pc_ceil(n[i], PC_KB);
+        s0[i + 1] = s0[i] + HG * n[i];
+        f1[i + 1] = f1[i] + H * pc_ceil(n[i], PC_SB);
+        f3[i + 1] = f3[i] + nb[i];
+    }
+    p0[0] = s0[M];
+    for (int64_t i = 0; i < M; i++) p0[i + 1] = p0[i] + nb[i] * HGD;
     int nt = pc_threads();
-    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && nb > 1)
-    for (int64_t b = 0; b < nb; b++) {
-        int64_t j0 = b * PC_KB, j1 = j0 + PC_KB < n ? j0 + PC_KB : n;
-        float* acc = part + b * HGD;
-        memset(acc, 0, sizeof(float) * HGD);
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t j = j0; j < j1; j++) {
-                const float* v = V + h * head_stride + j * D;
-                for (int64_t g = 0; g < G; g++) {
-                    float w = p[(h * G + g) * n + j];
-                    float* a = acc + (h * G + g) * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* scores: items (sequence, key head, block of PC_SB keys) */
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < f1[M]; it++) {
+            const int64_t i = pc_owner(f1, M, it), r = it - f1[i], bl = pc_ceil(n[i], PC_SB);
+            const int64_t h = r / bl, j0 = (r % bl) * PC_SB, j1 = j0 + PC_SB < n[i] ? j0 + PC_SB : n[i];
+            const float* qh = q + i * qs + h * G * D;
+            const float* K = (const float*)(intptr_t)kp[i] + h * hs[i];
+            float* s = scratch + s0[i];
+            for (int64_t j = j0; j < j1; j++)
+                for (int64_t g = 0; g < G; g++) s[(h * G + g) * n[i] + j] = dot_f32(qh + g * D, K + j * D, D) * scale;
+        }
+        /* softmax: items (sequence, query head) */
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < M * HG; it++) {
+            const int64_t i = it / HG, row = it % HG, len = n[i];
+            float* s = scratch + s0[i] + row * len;
+            float mx = s[0];
+            for (int64_t j = 1; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+            for (int64_t j = 0; j < len; j++) s[j] = pc_expf(s[j] - mx);
+            const float sum = pc_sum16(s, len);
+            for (int64_t j = 0; j < len; j++) s[j] = s[j] / sum;
+        }
+        /* weighted sums: items (sequence, block of PC_KB keys), each into its own partial */
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < f3[M]; it++) {
+            const int64_t i = pc_owner(f3, M, it), b = it - f3[i], len = n[i];
+            const int64_t j0 = b * PC_KB, j1 = j0 + PC_KB < len ? j0 + PC_KB : len;
+            const float* p = scratch + s0[i];
+            float* acc = scratch + p0[i] + b * HGD;
+            memset(acc, 0, sizeof(float) * HGD);
+            for (int64_t h = 0; h < H; h++) {
+                const float* V = (const float*)(intptr_t)vp[i] + h * hs[i];
+                for (int64_t j = j0; j < j1; j++) {
+                    const float* v = V + j * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        float w = p[(h * G + g) * len + j];
+                        float* a = acc + (h * G + g) * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
+                    }
                 }
             }
         }
+        /* the partials added in block order: items (sequence, query head) */
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < M * HG; it++) {
+            const int64_t i = it / HG, row = it % HG;
+            const float* part = scratch + p0[i] + row * D;
+            float* o = out + i * os + row * D;
+            for (int64_t d = 0; d < D; d++) {
+                float sum = 0.f;
+                for (int64_t b = 0; b < nb[i]; b++) sum += part[b * HGD + d];
+                o[d] = sum;
+            }
+        }
     }
-    for (int64_t i = 0; i < HGD; i++) {
-        float sum = 0.f;
-        for (int64_t b = 0; b < nb; b++) sum += part[b * HGD + i];
-        out[i] = sum;
-    }
+    free(idx);
 }
+
 /* RoPE (the half-rotation convention) on one token's projections, and its key and value
  * written into the cache: qkv holds H query heads, then Hkv key heads, then Hkv value heads,
  * D floats each. q_out (H, D) <- rotated queries; the rotated keys and the values go to row
@@ -420,10 +512,20 @@ void pc_rmsnorm(const float* x, const float* w, float* out, int64_t K, float eps
     for (int64_t k = 0; k < K; k++) out[k] = x[k] * r * w[k];
 }
 
-/* out[I] = silu(gu[:I]) * gu[I:] (a SiLU-gated MLP's hidden layer). */
+/* pc_rmsnorm of each of the M rows of x (M, K) into out (M, K): one call for a batch. */
+void pc_rmsnorm_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, float eps) {
+    for (int64_t i = 0; i < M; i++) pc_rmsnorm(x + i * K, w, out + i * K, K, eps);
+}
+
+/* out[I] = silu(gu[:I]) * gu[I:] (a SiLU-gated MLP's hidden layer), with pc_expf. */
 void pc_silu_mul(const float* gu, float* out, int64_t I) {
     for (int64_t i = 0; i < I; i++) {
         float g = gu[i];
-        out[i] = g / (1.0f + expf(-g)) * gu[I + i];
+        out[i] = g / (1.0f + pc_expf(-g)) * gu[I + i];
     }
+}
+
+/* pc_silu_mul of each of the M rows of gu (M, 2 I) into out (M, I). */
+void pc_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I) {
+    for (int64_t i = 0; i < M; i++) pc_silu_mul(gu + i * 2 * I, out + i * I, I);
 }

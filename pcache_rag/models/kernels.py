@@ -194,21 +194,23 @@ def _load(variant: str) -> ctypes.CDLL | None:
     lib.pc_variant.argtypes, lib.pc_variant.restype = [], ctypes.c_char_p
     lib.pc_set_threads.argtypes, lib.pc_set_threads.restype = [i32], None
     lib.pc_team.argtypes, lib.pc_team.restype = [i32], i32
-    lib.pc_weighted_sum_scratch.argtypes, lib.pc_weighted_sum_scratch.restype = [i64, i64, i64, i64], i64
+    ip = ctypes.POINTER(ctypes.c_int64)
+    lib.pc_attention_scratch.argtypes, lib.pc_attention_scratch.restype = [i64, ip, i64, i64, i64], i64
     lib.pc_gemv_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i32]
     lib.pc_gemv_f32.argtypes = [vp, vp, vp, vp, i64, i64, i32]
     lib.pc_gemv_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i32]
     lib.pc_gemm_bf16.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
     lib.pc_gemm_f32.argtypes = [vp, vp, vp, vp, i64, i64, i64, i32]
     lib.pc_gemm_int8.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, i32]
-    lib.pc_scores.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, f32]
-    lib.pc_weighted_sum.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, vp]
+    lib.pc_attention.argtypes = [i64, vp, i64, ip, ip, ip, ip, vp, i64, i64, i64, i64, f32, vp]
     lib.pc_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, i64]
     lib.pc_rmsnorm.argtypes = [vp, vp, vp, i64, f32]
     lib.pc_silu_mul.argtypes = [vp, vp, i64]
+    lib.pc_rmsnorm_rows.argtypes = [vp, vp, vp, i64, i64, f32]
+    lib.pc_silu_mul_rows.argtypes = [vp, vp, i64, i64]
     for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
-              lib.pc_gemm_int8, lib.pc_scores, lib.pc_weighted_sum,
-              lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rope_write):
+              lib.pc_gemm_int8, lib.pc_attention, lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rmsnorm_rows,
+              lib.pc_silu_mul_rows, lib.pc_rope_write):
         f.restype = None
     built = lib.pc_variant().decode()
     if built != variant:
@@ -371,17 +373,26 @@ class Gemv:
 
 
 class Attention:
-    """One query token's grouped-query attention for a fixed geometry (``H`` key heads, ``G``
-    query heads each, head size ``D``), with its scratch: :meth:`__call__` attends the queries
-    at ``q`` over the first ``n`` rows of a layer's key and value buffers (H, capacity, D)."""
+    """One new token's grouped-query attention, for one sequence or several at once, for a fixed
+    geometry (``H`` key heads, ``G`` query heads each, head size ``D``), with its scratch:
+    :meth:`__call__` attends one sequence's queries over the first ``n`` rows of a layer's key
+    and value buffers (H, capacity, D); :meth:`many` attends M sequences' queries, each over its
+    own buffers, in one kernel call, each to the bits it gets alone."""
 
     def __init__(self, lib: ctypes.CDLL, H: int, G: int, D: int) -> None:
         if D % 16 or D > MAX_HEAD_DIM or G > MAX_GROUP:
             raise ValueError(f"the attention kernel takes D a multiple of 16 up to {MAX_HEAD_DIM} and groups up to "
                              f"{MAX_GROUP}, not D={D}, G={G}")
         self.lib, self.H, self.G, self.D = lib, H, G, D
-        self.part = torch.empty(0)  # the weighted sum's per-block partials, grown with the keys
-        self.scores = torch.empty(0)
+        self.scratch = torch.empty(0)  # scores and per-block partials, grown with the keys
+        self._cap = 0
+        self._grow(8)
+
+    def _grow(self, M: int) -> None:
+        """Room for M sequences' addresses (ctypes arrays: written element by element each call)."""
+        self._cap = max(M, 2 * self._cap)
+        arr = ctypes.c_int64 * self._cap
+        self._k, self._v, self._hs, self._n = arr(), arr(), arr(), arr()
 
     def check(self, keys: torch.Tensor, n: int) -> None:
         """Refuse buffers the kernels cannot read: float32 (H, >= n, D) on the CPU, rows contiguous."""
@@ -394,17 +405,21 @@ class Attention:
     def __call__(self, qp: int, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float, op: int) -> None:
         """Attention of the queries at address ``qp`` (H, G, D) over rows ``< n`` of ``keys`` and
         ``values`` (checked with :meth:`check` for this ``n``), written to ``op`` (H, G, D)."""
-        H, G, D = self.H, self.G, self.D
-        if self.scores.numel() < H * G * n:
-            self.scores = torch.empty(H * G * max(n * 2, 1024))
-        need = self.lib.pc_weighted_sum_scratch(H, G, D, n)
-        if self.part.numel() < need:
-            self.part = torch.empty(max(need * 2, self.lib.pc_weighted_sum_scratch(H, G, D, 1024)))
-        sc = self.scores[: H * G * n]
-        self.lib.pc_scores(qp, keys.data_ptr(), keys.stride(0), sc.data_ptr(), H, G, D, n, scale)
-        p = torch.softmax(sc.view(H * G, n), -1)  # (H G, n), contiguous
-        self.lib.pc_weighted_sum(p.data_ptr(), values.data_ptr(), values.stride(0), op, H, G, D, n,
-                                 self.part.data_ptr())
+        self.many(1, qp, 0, [(keys, values)], [n], scale, op, 0)
+
+    def many(self, M: int, qp: int, qs: int, kv: list, ns: list[int], scale: float, op: int, os_: int) -> None:
+        """Attention of M sequences' queries, sequence i's at ``qp + 4 * i * qs`` (H, G, D), over rows
+        ``< ns[i]`` of its ``kv[i]`` = (keys, values) (each checked with :meth:`check`), written to
+        ``op + 4 * i * os_`` (H, G, D)."""
+        if M > self._cap:
+            self._grow(M)
+        k, v, hs, n = self._k, self._v, self._hs, self._n
+        for i, ((kb, vb), m) in enumerate(zip(kv, ns)):
+            k[i], v[i], hs[i], n[i] = kb.data_ptr(), vb.data_ptr(), kb.stride(0), m
+        need = self.lib.pc_attention_scratch(M, n, self.H, self.G, self.D)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(max(2 * need, 1 << 16))
+        self.lib.pc_attention(M, qp, qs, k, v, hs, n, op, os_, self.H, self.G, self.D, scale, self.scratch.data_ptr())
 
 
 def rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,20 @@ int main(int argc, char** argv) {
     /* rows left over after the tiles (37 = 4 * 9 + 1), and one row of X over (3 = 2 + 1) */
     pc_gemm_bf16(Wb, X, Y, bias, N - 3, K, M - 2, 0); show("gemm_bf16_rest", Y, (M - 2) * (N - 3));
     float* q = malloc(sizeof(float) * H * G * D), *Kc = malloc(sizeof(float) * H * NK * D), *Vc = malloc(sizeof(float) * H * NK * D);
-    float* s = malloc(sizeof(float) * H * G * NK), *out = malloc(sizeof(float) * H * G * D);
-    float* part = malloc(sizeof(float) * pc_weighted_sum_scratch(H, G, D, NK));
     fill(q, H * G * D), fill(Kc, H * NK * D), fill(Vc, H * NK * D);
-    pc_scores(q, Kc, NK * D, s, H, G, D, NK, 0.125f); show("scores", s, H * G * NK);
-    for (int64_t i = 0; i < H * G * NK; i++) s[i] = (float)(i % 13) / 1024.0f;
-    pc_weighted_sum(s, Vc, NK * D, out, H, G, D, NK, part); show("weighted_sum", out, H * G * D);
+    /* two sequences in one call: NK keys, and NK - 37 keys of buffers with a longer head stride */
+    float* K2 = malloc(sizeof(float) * H * (NK + 5) * D), *V2 = malloc(sizeof(float) * H * (NK + 5) * D);
+    fill(K2, H * (NK + 5) * D), fill(V2, H * (NK + 5) * D);
+    float* out = malloc(sizeof(float) * 2 * H * G * D), *q2 = malloc(sizeof(float) * 2 * H * G * D);
+    memcpy(q2, q, sizeof(float) * H * G * D), fill(q2 + H * G * D, H * G * D);
+    int64_t kp[2] = {(int64_t)(intptr_t)Kc, (int64_t)(intptr_t)K2}, vp[2] = {(int64_t)(intptr_t)Vc, (int64_t)(intptr_t)V2};
+    int64_t hs[2] = {NK * D, (NK + 5) * D}, nn[2] = {NK, NK - 37};
+    float* scratch = malloc(sizeof(float) * pc_attention_scratch(2, nn, H, G, D));
+    pc_attention(2, q2, H * G * D, kp, vp, hs, nn, out, H * G * D, H, G, D, 0.125f, scratch);
+    show("attention", out, 2 * H * G * D);
+    float ex[64];
+    for (int i = 0; i < 64; i++) ex[i] = pc_expf((float)(i - 40) * 1.37f + rnd() / 64.f);
+    show("expf", ex, 64);
     pc_rmsnorm(X, X + K, Y, K, 1e-5f); show("rmsnorm", Y, K);
     float cs[D / 2], sn[D / 2], qo[H * G * D];
     for (int i = 0; i < D / 2; i++) cs[i] = (float)(i + 1) / 32.0f, sn[i] = (float)(D / 2 - i) / 32.0f;
