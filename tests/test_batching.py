@@ -176,7 +176,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(pc):
                                                                      want_epic.computed_tokens)
     assert got_short.token_ids == want_short.token_ids
     assert sched.counts["chunks"] >= len(long_ids) // 16
-    assert sched.counts["max_batch_seen"] == 3  # all three shared steps
+    # all three shared the steps; with a fused decode step the decoding rows take it, as alone, and
+    # the long prompt's chunks a forward of their own in the same scheduler step
+    assert sched.counts["max_batch_seen"] == (2 if pc.core.decoder.step is not None else 3)
 
 
 def test_prompts_with_nothing_cached_are_prefilled_together_whatever_the_policy(pc):

@@ -2,10 +2,11 @@
 token (or a chunk of its prompt), and what each request gets from it.
 
 :class:`StepRunner` executes; what a batch holds is the scheduler's decision (:mod:`.scheduler`),
-and the requests and their rows are :mod:`.batch`'s records. A step takes the engine's fused decode
-step when every admitted request is decoding (:func:`fused_forward`: its one-token form for a
-request alone, its many-sequence form on the C kernels for several, each to the bits it would get
-alone), else one ragged forward of the model over every sequence's own rows (:func:`ragged_forward`).
+and the requests and their rows are :mod:`.batch`'s records. The decoding requests take the
+engine's fused decode step (:func:`fused_forward`: its one-token form for a request alone, its
+many-sequence form on the C kernels for several, each to the bits it would get alone), and the
+chunks of prompts being filled one ragged forward of the model over each sequence's own rows
+(:func:`ragged_forward`); without a fused step, that forward takes the decoding rows too.
 """
 
 from __future__ import annotations
@@ -101,16 +102,22 @@ class StepRunner:
 
     def forward(self, batch: Batch) -> None:
         """One forward: a token of each running request, and the next chunks of the prompts
-        being prefilled (at most ``prefill_tokens`` of them, oldest first). A request decoding
-        alone (nothing else live or filling, no calibrated span) takes the fused decode step, as
-        it would outside the batch; several decoding together (nothing filling) take its
-        many-sequence form on the C kernels, each to the same bits as alone."""
+        being prefilled (at most ``prefill_tokens`` of them, oldest first). The decoding requests
+        (no calibrated span) take the fused decode step, as a request alone would: its one-token
+        form for one, its many-sequence form on the C kernels for several, each to the same bits
+        as alone, whether or not prompts are filling; the chunks then take a ragged forward of
+        their own. Without a fused step, one ragged forward takes every row."""
         step = self.core.decoder.step
-        if step is not None and batch.live and not batch.filling and all(r.span is None for r in batch.live) \
-                and (len(batch.live) == 1 or step.kernels == "c"):
-            self.fused(batch, batch.live)
-            return
-        seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in batch.live]  # type: ignore[union-attr]
+        fused = step is not None and batch.live and all(r.span is None for r in batch.live) \
+            and (len(batch.live) == 1 or step.kernels == "c")
+        if fused:
+            # the decoding requests take the fused step even while prompts fill: a token's bits
+            # never depend on what else is in the batch; the chunks then take a forward of their own
+            self.fused(batch, list(batch.live))
+            if not batch.filling:
+                return
+        live = [] if fused else batch.live
+        seqs: list[tuple[Request, list[int]]] = [(r, [r.seq.last]) for r in live]  # type: ignore[union-attr]
         budget = self.prefill_tokens
         over_cache: list[tuple[Request, list[int]]] = []  # chunks of prompts with cached parts
         plain: list[tuple[Request, list[int]]] = []  # chunks of prompts with nothing cached
@@ -125,10 +132,10 @@ class StepRunner:
             return
         # the leading rows read the decode weights: the generated tokens, and with the engine's
         # query weights the chunks computed over cached states (as a solo prefill computes them)
-        small = len(batch.live) + (sum(len(c) for _, c in over_cache) if self.core.prefiller.query_weights else 0)
+        small = len(live) + (sum(len(c) for _, c in over_cache) if self.core.prefiller.query_weights else 0)
         logits = ragged_forward(self.core, seqs, small)  # (B, vocab)
         B = len(seqs)
-        decoding = len(batch.live)
+        decoding = len(live)
         batch.counts["steps"] += 1
         batch.counts["decoded"] += decoding
         batch.counts["chunks"] += B - decoding
