@@ -30,8 +30,10 @@ LOOKALIKE = ("runs/2026-12-07-lookalike-330-reporting-checkpoint.json", "docs/ru
 #: the RAG default's TTFT on look-alike prompts with this CPU's instruction set and capped to AVX2
 DEFAULT_TTFT = ({"AVX-512 BF16": "runs/2026-12-07-default-ttft-avx512.json", "AVX2": "runs/2026-12-07-default-ttft-avx2.json"},
                 "docs/runs/2026-12-07-lookalike-default.md")
-DECODE = {"AVX-512": ("runs/2026-12-06-bench-decode-avx512.json", "docs/runs/2026-12-06-decode-every-cpu.md"),
-          "AVX2": ("runs/2026-12-06-bench-decode-avx2.json", "docs/runs/2026-12-06-decode-every-cpu.md")}
+DECODE = {"AVX-512": ("runs/2026-12-07-bench-decode-avx512.json", "docs/runs/2026-12-07-batch-step.md"),
+          "AVX2": ("runs/2026-12-07-bench-decode-avx2.json", "docs/runs/2026-12-07-batch-step.md")}
+#: eight concurrent ainvoke on one ChatPromptCache against the same eight one after another (issue 61)
+ASYNC = ("runs/2026-12-07-async-8.json", "docs/runs/2026-12-07-batch-step.md")
 AGENTS = ("runs/2026-12-07-agents.json", "docs/runs/2026-12-07-agents.md")
 DEFAULT = "cond:learned+each:1"  # the RAG default's mode name in the eval
 BEFORE = "cond:learned+match:1"  # the default before issue 56
@@ -86,11 +88,17 @@ def rows() -> list[tuple[str, str, str]]:
         by = {r["name"]: r for r in d["rows"]}
         stock = by["transformers generate (fp32, full prefill)"]
         bf16 = by["pcache-rag, cached, fused step, bf16 weights"]
+        eight = next(t for t in bf16["together"] if t["answers"] == 8)
         out.append((f"decode, ms a token, {d['doc_tokens']:,}-token document, {isa} kernels",
                     f"stock `generate` {stock['ms_per_token']:.1f} · cached bf16 {bf16['ms_per_token']:.1f} "
                     f"({bf16['ms_per_token'] / bf16['floor_ms']:.1f}x its weight-streaming floor) · beside "
-                    f"{d['busy']} busy processes {stock['busy_ms_per_token']:.0f} · {bf16['busy_ms_per_token']:.0f}",
+                    f"{d['busy']} busy processes {stock['busy_ms_per_token']:.0f} · {bf16['busy_ms_per_token']:.0f} "
+                    f"· 8 answers together {eight['ms_per_step']:.0f} ms a step",
                     link))
+    a = _load(ASYNC[0])
+    out.append(("eight concurrent `ainvoke` on one `ChatPromptCache`, vs the same eight one after another",
+                f"{a['concurrent_s']:.2f} s vs {a['sequential_s']:.2f} s = {a['ratio']:.2f}x "
+                f"(answers identical: {'yes' if a['identical'] else 'no'})", ASYNC[1]))
     agents = _load(AGENTS[0])
     names = {"langgraph": "LangGraph ReAct", "llamaindex": "LlamaIndex FunctionAgent"}
     cells = " · ".join(f"{names[k]} {agents[k][1]['cached_share']:.0%} cached, {agents[k][1]['speedup']:.1f}x"
