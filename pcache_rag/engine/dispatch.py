@@ -52,7 +52,10 @@ class Dispatcher:
         """The batch request of ``prompt`` (:func:`.scheduler.parts_request`). Its new tokens are
         prefilled in the batch's steps when nothing is recomputed: under ``recompute="none"``, or
         when nothing is cached (no context to recompute, whatever the policy); several such
-        prompts then share one forward, where the engine's own prefill costs one forward each."""
+        prompts then share one forward, where the engine's own prefill costs one forward each.
+        torch's products over more rows round differently, so such a prompt's states may differ
+        from its solo prefill's in their last bits, and a near-tie in its answer may resolve
+        otherwise; the decode step adds no difference of its own."""
         return parts_request(self.core, prompt.parts, list(prompt.new_ids), params, self.prepare_parts(prompt, policy),
                              policy.kind == "none" or not prompt.parts, Calibration.parse(prompt.calibration))
 
