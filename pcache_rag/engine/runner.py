@@ -108,8 +108,8 @@ class StepRunner:
         as alone, whether or not prompts are filling; the chunks then take a ragged forward of
         their own. Without a fused step, one ragged forward takes every row."""
         step = self.core.decoder.step
-        fused = step is not None and batch.live and all(r.span is None for r in batch.live) \
-            and (len(batch.live) == 1 or step.kernels == "c")
+        fused = bool(step is not None and batch.live and all(r.span is None for r in batch.live)
+                     and (len(batch.live) == 1 or step.kernels == "c"))
         if fused:
             # the decoding requests take the fused step even while prompts fill: a token's bits
             # never depend on what else is in the batch; the chunks then take a forward of their own

@@ -261,7 +261,6 @@ class FusedDecodeStep:
         self._sin = torch.empty(D // 2, dtype=dt, device=dev)
         self._checked: set[tuple[int, int, int]] = set()  # (keys address, values address, capacity) checked
         self._many: list[torch.Tensor] | None = None  # many()'s scratch, grown to the largest batch seen
-        self._many_q = torch.empty(0)  # many()'s rotated queries (M, H D)
         if lib is not None:
             self._attn = kernels.Attention(lib, Hkv, H // Hkv, D)
         #: the thread count the last token ran on (the C kernels fit it to the free CPUs)
@@ -345,10 +344,10 @@ class FusedDecodeStep:
         lib, M = self._lib, len(tokens)
         H, Hkv, D, hidden, inter = self.n_heads, self.n_kv, self.head_dim, self._h.numel(), self.inter
         if self._many is None or self._many[0].shape[0] < M:
-            dims = (hidden, hidden, (H + 2 * Hkv) * D, H * D, 2 * inter, inter, self.head.out_features, D // 2, D // 2)
+            dims = (hidden, hidden, (H + 2 * Hkv) * D, H * D, H * D, 2 * inter, inter, self.head.out_features, D // 2,
+                    D // 2)
             self._many = [torch.empty(max(M, 4), d) for d in dims]  # (M, d) each
-            self._many_q = torch.empty(max(M, 4), H * D)
-        h, x, qkv, att, gu, act, logits, cos, sin = (t[:M] for t in self._many)
+        h, x, qkv, q, att, gu, act, logits, cos, sin = (t[:M] for t in self._many)
         ns = []
         for i, (token, position, layers) in enumerate(zip(tokens, positions, seqs)):
             ang = position * self.inv_freq  # as __call__ computes it, row by row
@@ -364,21 +363,20 @@ class FusedDecodeStep:
                 self._readable(kb, vb, n)
             ns.append(n)
         with kernels.Team(lib) as self.threads:
-            self._many_c(M, h, x, qkv, att, gu, act, logits, cos, sin, seqs, ns)
+            self._many_c(M, h, x, qkv, q, att, gu, act, logits, cos, sin, seqs, ns)
         for layers, n in zip(seqs, ns):
             for layer in layers:
                 layer.set_length(n + 1)
         return logits
 
-    def _many_c(self, M: int, h, x, qkv, att, gu, act, logits, cos, sin, seqs, ns) -> None:
+    def _many_c(self, M: int, h, x, qkv, q, att, gu, act, logits, cos, sin, seqs, ns) -> None:
         lib, attn = self._lib, self._attn
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         hidden, eps, inter, scale = self._h.numel(), self.eps, self.inter, D ** -0.5
-        qkvp, attp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
-                                  for t in (qkv, att, cos, sin))  # each row's address
-        q = self._many_q[:M]  # (M, H D): each sequence's rotated queries
-        qp = [q.data_ptr() + i * H * D * 4 for i in range(M)]
+        qkvp, qp, cosp, sinp = ([t.data_ptr() + i * t.stride(0) * 4 for i in range(M)]
+                                for t in (qkv, q, cos, sin))  # each row's address; q: the rotated queries
         hp, xp, gup, actp = h.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr()
+        keys = [n + 1 for n in ns]  # each sequence's keys, with the token's own
         for li, lay in enumerate(self.layers):
             kv = [seqs[i][li].buffers for i in range(M)]
             lib.pc_rmsnorm_rows(hp, lay.norm1.data_ptr(), xp, M, hidden, eps)
@@ -386,7 +384,7 @@ class FusedDecodeStep:
             for i, (kb, vb) in enumerate(kv):
                 lib.pc_rope_write(qkvp[i], cosp[i], sinp[i], H, Hkv, D, qp[i], kb.data_ptr(), vb.data_ptr(),
                                   kb.stride(0), ns[i])
-            attn.many(M, q.data_ptr(), H * D, kv, [n + 1 for n in ns], scale, att.data_ptr(), att.stride(0))
+            attn.many(M, q.data_ptr(), q.stride(0), kv, keys, scale, att.data_ptr(), att.stride(0))
             lay.o.gemv.raw_many(att.data_ptr(), hp, M, True)  # type: ignore[union-attr]
             lib.pc_rmsnorm_rows(hp, lay.norm2.data_ptr(), xp, M, hidden, eps)
             lay.gate_up.gemv.raw_many(xp, gup, M)  # type: ignore[union-attr]

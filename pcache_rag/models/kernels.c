@@ -457,8 +457,7 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
                   const int64_t* n, float* out, int64_t os, int64_t H, int64_t G, int64_t D, float scale,
                   float* scratch) {
     const int64_t HG = H * G, HGD = H * G * D;
-    int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * 5 * (M + 1));
-    if (!idx) return;
+    int64_t idx[5 * (M + 1)]; /* on the stack: M is a batch's size (a decode step calls this a layer) */
     /* per sequence: where its scores and partials start, and its first item of each phase */
     int64_t *s0 = idx, *p0 = idx + (M + 1), *f1 = idx + 2 * (M + 1), *f3 = idx + 3 * (M + 1), *nb = idx + 4 * (M + 1);
     s0[0] = 0, f1[0] = 0, f3[0] = 0;
@@ -529,7 +528,6 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
             }
         }
     }
-    free(idx);
 }
 
 /* RoPE (the half-rotation convention) on one token's projections, and its key and value
