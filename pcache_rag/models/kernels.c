@@ -164,6 +164,36 @@ static inline float v16_sum(v16 a) {
 #endif
 }
 
+/* Multiply, add, broadcast and store of 16 lanes (attention's weighted sums: a multiply, then
+ * an add, each rounded, as the portable loop computes a[d] += w * v[d]). */
+#if defined(PC_AVX512)
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline void v16_st(float* p, v16 a) { _mm512_storeu_ps(p, a); }
+#elif defined(PC_AVX2)
+static inline v16 v16_mul(v16 a, v16 b) { v16 r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return r; }
+static inline v16 v16_add(v16 a, v16 b) { v16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
+static inline v16 v16_set1(float x) { v16 r = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return r; }
+static inline void v16_st(float* p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+#elif defined(PC_NEON)
+static inline v16 v16_mul(v16 x, v16 y) {
+    v16 r = {vmulq_f32(x.a, y.a), vmulq_f32(x.b, y.b), vmulq_f32(x.c, y.c), vmulq_f32(x.d, y.d)};
+    return r;
+}
+static inline v16 v16_add(v16 x, v16 y) {
+    v16 r = {vaddq_f32(x.a, y.a), vaddq_f32(x.b, y.b), vaddq_f32(x.c, y.c), vaddq_f32(x.d, y.d)};
+    return r;
+}
+static inline v16 v16_set1(float x) { float32x4_t a = vdupq_n_f32(x); v16 r = {a, a, a, a}; return r; }
+static inline void v16_st(float* p, v16 x) { vst1q_f32(p, x.a); vst1q_f32(p + 4, x.b); vst1q_f32(p + 8, x.c); vst1q_f32(p + 12, x.d); }
+#else
+static inline v16 v16_mul(v16 a, v16 b) { for (int i = 0; i < 16; i++) a.l[i] *= b.l[i]; return a; }
+static inline v16 v16_add(v16 a, v16 b) { for (int i = 0; i < 16; i++) a.l[i] += b.l[i]; return a; }
+static inline v16 v16_set1(float x) { v16 r; for (int i = 0; i < 16; i++) r.l[i] = x; return r; }
+static inline void v16_st(float* p, v16 a) { memcpy(p, a.l, sizeof a.l); }
+#endif
+
 static inline float round_bf16(float f) {  /* to the nearest bfloat16, ties to even (as torch) */
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -390,7 +420,8 @@ void pc_gemm_int8(const int8_t* W, const float* scale, const float* X, float* Y,
  * polynomial, and 2^n written into the exponent bits: within 2.5e-7 of exp (relative, measured).
  * libm's expf is not used: its bits may differ between libraries and architectures. */
 static inline float pc_expf(float x) {
-    x = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
+    x = x < -87.3f ? -87.3f : x; /* two selects, not one nested: GCC then vectorizes the softmax's loop */
+    x = x > 88.0f ? 88.0f : x;
     const float big = 12582912.0f; /* 1.5 * 2^23 */
     float t = x * 1.44269504f + big;
     float n = t - big;
@@ -436,6 +467,123 @@ static inline float pc_sum16(const float* x, int64_t n) {
  * = sum_j p[h, g, j] V[h, j], the keys summed in blocks of PC_KB, each block into its own
  * partial, the partials added in block order. No sum depends on the thread count, on M, or on
  * which other sequences share the call. ``scratch``: pc_attention_scratch(...) floats. */
+
+/* s[g * ss + k] = scale * (q[g] . K[k]) for G queries (rows of D floats from q) and nk keys
+ * (rows from K), each dot summed exactly as dot_f32 sums it (16 lanes, the fixed tree). Keys
+ * are read once, in order, for all G queries. Why not dot_f32 a (query, key): its reduction, four
+ * dependent shuffle-and-adds, cost more than the key's multiply-adds. The x86 builds keep
+ * PC_RK keys' lane sums and reduce them together: each level of the tree adds two registers that
+ * shuffles filled with halves of several keys' lanes, so every key's lanes are still added in
+ * the tree's pairs and order, and no result changes its bits. */
+#if defined(PC_AVX512)
+#define PC_RK 16
+static inline void pc_reduce_keys(const v16* a, float scale, float* s) { /* a[16]: 16 keys' lanes -> s[16] */
+    /* after the tree, lane 4 r + c holds key 4 c + r */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512 t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) /* t = lanes 0-7 + lanes 8-15: keys 2i, 2i+1 */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* u = t 0-3 + t 4-7: keys 4i..4i+3, one a 128-bit lane */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* v = u 0-1 + u 2-3 */
+        v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_permutexvar_ps(order, r), _mm512_set1_ps(scale)));
+}
+#elif defined(PC_AVX2)
+#define PC_RK 8
+static inline void pc_reduce4(const v16* a, float scale, float* s) { /* 4 keys */
+    __m256 t0 = v16_fold8(a[0]), t1 = v16_fold8(a[1]), t2 = v16_fold8(a[2]), t3 = v16_fold8(a[3]);
+    __m256 u0 = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    __m256 u1 = _mm256_add_ps(_mm256_permute2f128_ps(t2, t3, 0x20), _mm256_permute2f128_ps(t2, t3, 0x31));
+    /* v: low 128 bits keys 0 and 2, high keys 1 and 3, two lanes each */
+    __m256 v = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* r: low [key 0, key 2, ...], high [key 1, key 3, ...] */
+    __m128 o = _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+    _mm_storeu_ps(s, _mm_mul_ps(o, _mm_set1_ps(scale)));
+}
+static inline void pc_reduce_keys(const v16* a, float scale, float* s) { pc_reduce4(a, scale, s), pc_reduce4(a + 4, scale, s + 4); }
+#endif
+
+#define MAX_GROUP_C 16 /* kernels.py's MAX_GROUP */
+static inline void pc_dots(const float* q, int64_t G, const float* K, int64_t nk, int64_t D, float scale, float* s,
+                           int64_t ss) {
+    int64_t k = 0;
+#if defined(PC_RK)
+    v16 a[MAX_GROUP_C][PC_RK]; /* each (query, key)'s 16 lane sums */
+    for (; k + PC_RK <= nk; k += PC_RK) {
+        for (int i = 0; i < PC_RK; i++) {
+            const float* row = K + (k + i) * D;
+            for (int64_t g = 0; g < G; g++) {
+                v16 acc = v16_zero();
+                for (int64_t d = 0; d < D; d += 16) acc = v16_fma(v16_f32(q + g * D + d), v16_f32(row + d), acc);
+                a[g][i] = acc;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) pc_reduce_keys(a[g], scale, s + g * ss + k);
+    }
+#endif
+    for (; k < nk; k++)
+        for (int64_t g = 0; g < G; g++) s[g * ss + k] = dot_f32(q + g * D, K + k * D, D) * scale;
+}
+
+/* acc[g, :] = sum over the nk keys j, in key order, of p[g * ps + j] * V[j, :] (rows of D floats),
+ * for g < G, each lane's sum started from zero, a multiply then an add a key (as a[d] += w * v[d]
+ * computes it under -ffp-contract=off). The accumulators stay in registers across the keys, WG
+ * query heads by WC 16-lane chunks at a time, and each value row loaded serves WG heads. */
+#if defined(PC_AVX512)
+#define PC_WG 4
+#define PC_WC 4
+#else
+#define PC_WG 3
+#define PC_WC 2
+#endif
+static inline __attribute__((always_inline)) void pc_wsum_tile(const float* p, int64_t ps, const float* V, int64_t nk,
+                                                                int64_t D, float* acc, const int gn, const int cn) {
+    v16 a[PC_WG][PC_WC], x[PC_WC];
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < cn; c++) a[g][c] = v16_zero();
+    for (int64_t j = 0; j < nk; j++) {
+        for (int c = 0; c < cn; c++) x[c] = v16_f32(V + j * D + 16 * c);
+        for (int g = 0; g < gn; g++) {
+            const v16 w = v16_set1(p[g * ps + j]);
+            for (int c = 0; c < cn; c++) a[g][c] = v16_add(a[g][c], v16_mul(w, x[c]));
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < cn; c++) v16_st(acc + g * D + 16 * c, a[g][c]);
+}
+
+static void pc_wsum(const float* p, int64_t ps, const float* V, int64_t nk, int64_t G, int64_t D, float* acc) {
+    for (int64_t g0 = 0; g0 < G; g0 += PC_WG)
+        for (int64_t d0 = 0; d0 < D; d0 += 16 * PC_WC) {
+            const int gn = G - g0 < PC_WG ? (int)(G - g0) : PC_WG;
+            const int cn = (D - d0) / 16 < PC_WC ? (int)((D - d0) / 16) : PC_WC;
+            const float* pg = p + g0 * ps;
+            float* ag = acc + g0 * D + d0;
+            /* each (gn, cn) its own unrolled copy, so that the accumulators are registers */
+#define PC_WCASE(GN, CN) \
+    case (GN) * 8 + (CN): pc_wsum_tile(pg, ps, V + d0, nk, D, ag, GN, CN); break;
+            switch (gn * 8 + cn) {
+#if PC_WC == 4
+                PC_WCASE(1, 1) PC_WCASE(1, 2) PC_WCASE(1, 3) PC_WCASE(1, 4) PC_WCASE(2, 1) PC_WCASE(2, 2)
+                PC_WCASE(2, 3) PC_WCASE(2, 4) PC_WCASE(3, 1) PC_WCASE(3, 2) PC_WCASE(3, 3) PC_WCASE(3, 4)
+                PC_WCASE(4, 1) PC_WCASE(4, 2) PC_WCASE(4, 3) PC_WCASE(4, 4)
+#else
+                PC_WCASE(1, 1) PC_WCASE(1, 2) PC_WCASE(2, 1) PC_WCASE(2, 2) PC_WCASE(3, 1) PC_WCASE(3, 2)
+#endif
+            }
+#undef PC_WCASE
+        }
+}
+
 #define PC_KB 128
 #define PC_SB 64 /* keys a work item of the scores */
 static inline int64_t pc_ceil(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -480,18 +628,20 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
             const float* qh = q + i * qs + h * G * D;
             const float* K = (const float*)(intptr_t)kp[i] + h * hs[i];
             float* s = scratch + s0[i];
-            for (int64_t j = j0; j < j1; j++)
-                for (int64_t g = 0; g < G; g++) s[(h * G + g) * n[i] + j] = dot_f32(qh + g * D, K + j * D, D) * scale;
+            pc_dots(qh, G, K + j0 * D, j1 - j0, D, scale, s + h * G * n[i] + j0, n[i]);
         }
         /* softmax: items (sequence, query head) */
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < M * HG; it++) {
             const int64_t i = it / HG, row = it % HG, len = n[i];
             float* s = scratch + s0[i] + row * len;
-            float mx = s[0];
+            float mx = s[0]; /* the max is the same in any order: vectorized */
+            #pragma omp simd reduction(max : mx)
             for (int64_t j = 1; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+            #pragma omp simd
             for (int64_t j = 0; j < len; j++) s[j] = pc_expf(s[j] - mx);
             const float sum = pc_sum16(s, len);
+            #pragma omp simd
             for (int64_t j = 0; j < len; j++) s[j] = s[j] / sum;
         }
         /* weighted sums: items (sequence, block of PC_KB keys), each into its own partial */
@@ -501,19 +651,9 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
             const int64_t j0 = b * PC_KB, j1 = j0 + PC_KB < len ? j0 + PC_KB : len;
             const float* p = scratch + s0[i];
             float* acc = scratch + p0[i] + b * HGD;
-            memset(acc, 0, sizeof(float) * HGD);
-            for (int64_t h = 0; h < H; h++) {
-                const float* V = (const float*)(intptr_t)vp[i] + h * hs[i];
-                for (int64_t j = j0; j < j1; j++) {
-                    const float* v = V + j * D;
-                    for (int64_t g = 0; g < G; g++) {
-                        float w = p[(h * G + g) * len + j];
-                        float* a = acc + (h * G + g) * D;
-                        #pragma omp simd
-                        for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
-                    }
-                }
-            }
+            for (int64_t h = 0; h < H; h++)
+                pc_wsum(p + h * G * len + j0, len, (const float*)(intptr_t)vp[i] + h * hs[i] + j0 * D, j1 - j0, G, D,
+                        acc + h * G * D);
         }
         /* the partials added in block order: items (sequence, query head) */
         #pragma omp for schedule(static)

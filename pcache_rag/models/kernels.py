@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 #: flags every variant is built with (-ffp-contract=off: no compiler fuses a multiply-add the
 #: source does not, so every variant rounds alike)
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fno-trapping-math"]
 #: each variant's own flags (its -D selects its code in kernels.c)
 VARIANTS = {
     "avx512": ["-DPC_AVX512", "-mavx512f", "-mavx2", "-mfma"],
