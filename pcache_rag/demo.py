@@ -38,11 +38,16 @@ def _say_conditioning(rag) -> None:
         print(f"  this index was built before {have.spec} was installed and keeps {cond}; a new --index uses it")
 
 
-def _against(per_token: float, floor, positions: int) -> str:
+def _against(per_token: float, floors, positions: int) -> str:
     """How far a token's time is from the weights' floor, and from the floor with the keys and
-    values attention reads at this many cached positions (``floor``: a :class:`~.measure.decode_bench.Floor`)."""
-    return (f" ({per_token / floor.weights_ms:.1f}x the weights' floor; "
-            f"{per_token / floor.with_cache_ms(positions):.1f}x with the cache it reads)")
+    values attention reads at this many cached positions, against each of ``floors`` (each a
+    :class:`~.measure.decode_bench.Floor`, read just before and just after the answer: this
+    machine's read bandwidth moves by half from minute to minute, so a floor read once at start
+    can be far from the bandwidth an answer decoded at)."""
+    w = " / ".join(f"{per_token / f.weights_ms:.1f}x" for f in floors)
+    c = " / ".join(f"{per_token / f.with_cache_ms(positions):.1f}x" for f in floors)
+    gb = " / ".join(f"{f.gb_s:.1f}" for f in floors)
+    return f" ({w} the weights' floor at {gb} GB/s read before / after it; {c} with the cache it reads)"
 
 
 def run_demo(a) -> int:
@@ -70,7 +75,9 @@ def run_demo(a) -> int:
           f"{rep.chunks_encoded} encoded now, {rep.unchanged} files unchanged ({rep.seconds:.1f}s)\n")
     for q in QUESTIONS:
         handles = rag.retrieve(q)
+        before = step_floor(pc) if floor is not None else None
         cached = rag.answer(q, handles=handles, max_new_tokens=a.max_new_tokens)
+        beside = [before, step_floor(pc)] if before is not None else []
         full = rag.answer_full_prefill(q, handles=handles, max_new_tokens=1)
         print(f"Q: {q}\nA: {cached.text.strip()}")
         print("   sources: " + ", ".join(f"{Path(h.source).name}#{h.metadata.get('chunk')}" for h in handles))
@@ -79,7 +86,7 @@ def run_demo(a) -> int:
         print(f"   ttft cached {cached.ttft_s * 1000:.0f} ms vs full prefill {full.ttft_s * 1000:.0f} ms "
               f"(x{full.ttft_s / cached.ttft_s:.1f}); {out.cached_tokens} tokens cached, "
               f"{out.computed_tokens} computed; {len(out.token_ids)} tokens decoded at {per_token:.0f} ms a token"
-              + (_against(per_token, floor, out.cached_tokens + out.computed_tokens) if floor is not None else "")
+              + (_against(per_token, beside, out.cached_tokens + out.computed_tokens) if beside else "")
               + "\n")
     rag.close()
     return 0
