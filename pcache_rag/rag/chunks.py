@@ -98,17 +98,6 @@ class ChunkStates:
         as the document marked in a framework's prompt."""
         return self.asm.doc_ids(self.text(text, source))
 
-    def key(self, ids: list[int], start: int | None = None) -> str:
-        """The store key of a chunk's states (model, conditioning, tokens, positions)."""
-        return self.asm.key(ids, start)
-
-    def encode(self, ids: list[int], key: str, start: int | None = None) -> ModuleKV:
-        """Encode a chunk at its canonical slot and store it under ``key``."""
-        return self.asm.encode_ids(ids, key, start)
-
-    def contains(self, key: str) -> bool:
-        return self.store.contains(key)
-
     def parts(self, handles: Sequence[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
         """The prompt's cached parts for ``handles``: the preamble, then each chunk's states at its
         slot, most relevant last (fetched, or encoded on first use for lazy chunks)."""
@@ -118,8 +107,8 @@ class ChunkStates:
             kv = self.store.get(h.kv_key)
             if kv is None:  # evicted, damaged or lazy: encode from the stored text, under this process's own key
                 ids = self.ids(h.text, h.source)  # (never one keyed for another conditioning: an index moving)
-                key = self.key(ids, start)
-                kv = (self.store.get(key) if key != h.kv_key else None) or self.encode(ids, key, start)
+                key = self.asm.key(ids, start)
+                kv = (self.store.get(key) if key != h.kv_key else None) or self.asm.encode_ids(ids, key, start)
             if pos != start:
                 kv, _ = self.asm.place(kv, pos)
             parts.append((h.id, kv))

@@ -114,7 +114,7 @@ class Ingestor:
         todo: dict[str, tuple[list[int], int]] = {}
         for src, _sha, _chunks, ids_list in work:
             for ids in ids_list:
-                key = self.chunks.key(ids, start)
+                key = self.chunks.asm.key(ids, start)
                 if key not in todo and not self.chunks.store.contains(key):
                     todo[key] = (ids, start)
         rep.projected_tokens = sum(len(ids) for ids, _ in todo.values())
@@ -144,11 +144,11 @@ class Ingestor:
             keys, metas, docs, cids = [], [], [], []
             done_here = 0
             for c, ids in zip(chunks, ids_list):
-                key = self.chunks.key(ids, start)
+                key = self.chunks.asm.key(ids, start)
                 lazy = False
                 if key in todo and encode == "eager":
                     t1 = time.perf_counter()
-                    self.chunks.encode(ids, key, start)
+                    self.chunks.asm.encode_ids(ids, key, start)
                     t_enc += time.perf_counter() - t1
                     n_enc += 1
                     todo.pop(key)
@@ -208,7 +208,7 @@ class Ingestor:
         n = 0
         for doc, m in it:
             if not self.chunks.store.contains(m["kv_key"]):
-                self.chunks.encode(self.chunks.ids(doc, m["source"]), m["kv_key"], self.chunks.canonical_start)
+                self.chunks.asm.encode_ids(self.chunks.ids(doc, m["source"]), m["kv_key"], self.chunks.canonical_start)
                 n += 1
         return n
 

@@ -337,7 +337,7 @@ def use_prefix(rag, prefix: LearnedPrefix, progress: bool = True) -> int:
                 continue
             tok = rag.chunks.ids(texts[cid], m["source"])
             key = asm.key(tok)
-            if not m.get("lazy") and not rag.chunks.contains(key):
+            if not m.get("lazy") and not rag.chunks.store.contains(key):
                 asm.encode_ids(tok, key)
                 encoded += 1
             ids.append(cid)

@@ -164,18 +164,6 @@ class PromptCacheLLM(FunctionCallingLLM):
                        kwargs.get("seed", self.seed), kwargs.get("stop", self.stop), grammar=grammar)
         return gen, kwargs.get("recompute", self.recompute), instruction
 
-    def _turns(self, messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
-        msgs = []
-        for m in messages:
-            role = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
-                    MessageRole.DEVELOPER: "system", MessageRole.TOOL: "tool"}.get(m.role)
-            if role is None:
-                raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages")
-            text = m.content or ""
-            calls = _calls_of(m) if role == "assistant" else []
-            msgs.append((role, tools.render_calls(text, calls) if calls else text))
-        return msgs
-
     def _iter(self, turns: list[tuple[str, str]] | None, text: str | None, kwargs,
               chat: bool = False) -> tuple[Generator[str | CachedOutput, None, None], bool]:
         """Chat ``turns`` (a ``response_format``'s instruction goes after the last user turn; the
@@ -209,7 +197,7 @@ class PromptCacheLLM(FunctionCallingLLM):
         """Responses as the answer is decoded. With tools, a call's name and its arguments so far are
         in ``message.additional_kwargs["tool_calls"]`` (OpenAI's shape) as they stream; the text
         outside calls is the content."""
-        items, read_calls = self._iter(self._turns(messages), None, kwargs, chat=True)
+        items, read_calls = self._iter(_turns(messages), None, kwargs, chat=True)
         reader = tools.CallStream() if read_calls else None
         text = ""
         calls: list[dict] = []
@@ -292,32 +280,25 @@ class PromptCacheLLM(FunctionCallingLLM):
     # it, and parses the answer; these add the schema's grammar, so the JSON it parses is whole
     # and matches the schema. as_structured_llm() goes through them too.
 
-    @staticmethod
-    def _constrained(output_cls: type, llm_kwargs: dict | None) -> dict:
-        kw = dict(llm_kwargs or {})
-        if "response_format" not in kw and "grammar" not in kw:
-            kw["grammar"] = json_grammar(output_cls.model_json_schema())  # type: ignore[attr-defined]
-        return kw
-
     def structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
         """``output_cls`` from ``prompt``, decoded under the class's JSON-schema grammar."""
-        return super().structured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+        return super().structured_predict(output_cls, prompt, _constrained(output_cls, llm_kwargs),
                                           **prompt_args)
 
     async def astructured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
         """:meth:`structured_predict`, async."""
-        return await super().astructured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+        return await super().astructured_predict(output_cls, prompt, _constrained(output_cls, llm_kwargs),
                                                  **prompt_args)
 
     def stream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
         """Partial ``output_cls`` objects as the constrained answer is decoded."""
-        return super().stream_structured_predict(output_cls, prompt, self._constrained(output_cls, llm_kwargs),
+        return super().stream_structured_predict(output_cls, prompt, _constrained(output_cls, llm_kwargs),
                                                  **prompt_args)
 
     async def astream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args):
         """:meth:`stream_structured_predict`, async."""
         return await super().astream_structured_predict(output_cls, prompt,
-                                                        self._constrained(output_cls, llm_kwargs), **prompt_args)
+                                                        _constrained(output_cls, llm_kwargs), **prompt_args)
 
     # ------------------------------------------------------------------ async: the engine runs in a worker thread
 
@@ -723,3 +704,27 @@ class MiniLMEmbedding(BaseEmbedding):
 
     async def _aget_query_embedding(self, query: str) -> list[float]:
         return await asyncio.to_thread(self._get_query_embedding, query)
+
+
+def _turns(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
+    """LlamaIndex messages as the engine's (role, text) turns; an assistant's tool calls written
+    into its text as the chat template shows them."""
+    msgs = []
+    for m in messages:
+        role = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
+                MessageRole.DEVELOPER: "system", MessageRole.TOOL: "tool"}.get(m.role)
+        if role is None:
+            raise NotImplementedError(f"PromptCacheLLM does not support {m.role.value!r} messages")
+        text = m.content or ""
+        calls = _calls_of(m) if role == "assistant" else []
+        msgs.append((role, tools.render_calls(text, calls) if calls else text))
+    return msgs
+
+
+def _constrained(output_cls: type, llm_kwargs: dict | None) -> dict:
+    """A structured call's keywords with ``output_cls``'s JSON-schema grammar, unless the caller
+    gave a ``response_format`` or ``grammar`` of its own."""
+    kw = dict(llm_kwargs or {})
+    if "response_format" not in kw and "grammar" not in kw:
+        kw["grammar"] = json_grammar(output_cls.model_json_schema())  # type: ignore[attr-defined]
+    return kw
