@@ -459,11 +459,12 @@ def question_attention(adapter, workspace, kvs: list, new_ids: list[int], new_po
     allowed = torch.ones(U, C + U, dtype=torch.bool)
     allowed[:, C:] = torch.ones(U, U, dtype=torch.bool).tril_()
     try:
-        with attention.AttentionProbe(C) as probe:
-            new_pos_t = torch.tensor(new_pos, device=dev)
-            key_pos = (torch.cat([kv.position_ids.to(dev) for kv in kvs] + [new_pos_t])
-                       if adapter.needs_key_positions else None)
-            adapter.forward(torch.tensor(new_ids, device=dev), new_pos_t, workspace.cache(), allowed.to(dev), key_pos)
+        probe = attention.AttentionProbe(C)
+        new_pos_t = torch.tensor(new_pos, device=dev)
+        key_pos = (torch.cat([kv.position_ids.to(dev) for kv in kvs] + [new_pos_t])
+                   if adapter.needs_key_positions else None)
+        adapter.forward(torch.tensor(new_ids, device=dev), new_pos_t, workspace.cache(), allowed.to(dev), key_pos,
+                        fwd=attention.Forward(probe=probe))
     finally:
         for layer in workspace.layers:
             layer.set_length(C)

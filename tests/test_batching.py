@@ -55,7 +55,7 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
     token, one prefilling a chunk of four), equals each sequence's own step to 1e-4 (batched
     projections round differently, nothing else)."""
     from pcache_rag.engine.runner import _RaggedLayer
-    from pcache_rag.models.attention import Positions, RaggedStep, ragged
+    from pcache_rag.models.attention import Forward, Positions, RaggedStep
     from transformers.cache_utils import Cache
 
     seqs, solo = [], []
@@ -77,9 +77,8 @@ def test_a_ragged_step_gives_each_sequence_its_solo_logits(pc):
     like = seqs[0][0].k[0, None, :, :0]
     cache = Cache(layers=[_RaggedLayer(step, i, 0, like) for i in range(seqs[0][0].k.shape[0])])
     ends = torch.tensor(step.counts).cumsum(0) - 1
-    with ragged(step):
-        got = adapter_of(pc).forward(torch.tensor([t for _, ts, *_ in seqs for t in ts]),
-                                 torch.cat([p for *_, p, _ in seqs]), cache, None, None, logits_to_keep=ends)
+    got = adapter_of(pc).forward(torch.tensor([t for _, ts, *_ in seqs for t in ts]), torch.cat([p for *_, p, _ in seqs]),
+                                 cache, None, None, logits_to_keep=ends, fwd=Forward(step=step))
     assert step.calls == adapter_of(pc).kv_shape.n_layers
     for b, want in enumerate(solo):
         assert (got[b] - want).abs().max() < 1e-4, b

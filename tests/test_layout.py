@@ -163,7 +163,8 @@ def test_no_private_names_of_other_modules(path):
 def test_no_class_is_too_big():
     """No class of the library or of a connector is over ``MAX_CLASS_LINES`` lines."""
     big = []
-    for path in [*MODULES.values(), *(f for c in CONNECTORS for f in sorted(c.rglob("*.py")) if "build" not in f.parts)]:
+    connectors = [f for c in CONNECTORS for f in sorted(c.rglob("*.py")) if "build" not in f.parts]
+    for path in [*MODULES.values(), *connectors]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
@@ -287,3 +288,14 @@ def test_the_reach_through_check_can_fail(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f(rag):\n    return rag.pc.store, rag.pc.generate_parts, rag.engine.workspace\n")
     assert _reach_through(f, {"store", "workspace"}) == ["m.py:2 rag.pc.store", "m.py:2 rag.engine.workspace"]
+
+
+def test_per_forward_state_rides_with_the_call_not_in_a_thread():
+    """What a forward asks of the attention (a calibrated span, recomputed rows, a probe, a ragged
+    step, windows' positions) is a ``Forward`` record passed with the model's call
+    (``models/attention.py``). The one thread-local left is ``models/fast_decode.py``'s row marker:
+    transformers calls ``nn.Linear`` with no keywords, and an attribute on the model would be
+    shared by every thread that runs it."""
+    kept = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
+                  if "threading.local(" in p.read_text(encoding="utf-8"))
+    assert kept == ["pcache_rag/models/fast_decode.py"]

@@ -74,6 +74,11 @@ def test_moved_methods_warn_with_their_new_home_for_one_release(rag):
     h = rag.retrieve("Which pastry is French?")[0]
     with pytest.warns(DeprecationWarning, match=r"use rag.chunks.ids"):
         assert rag.chunk_ids(h.text, h.source) == rag.chunks.ids(h.text, h.source)
+    ids = rag.chunks.ids(h.text, h.source)
+    with pytest.warns(DeprecationWarning, match=r"ChunkStates.key moved: use chunks.asm.key"):
+        assert rag.chunks.key(ids) == rag.chunks.asm.key(ids)
+    with pytest.warns(DeprecationWarning, match=r"ChunkStates.contains moved: use chunks.store.contains"):
+        assert rag.chunks.contains(h.kv_key) == rag.chunks.store.contains(h.kv_key)
     with pytest.warns(DeprecationWarning, match=r"PromptCache.place moved: use pc.encoder.place"):
         kv = rag.pc.place(rag.chunks.parts([h])[0][1], 40)
     assert kv.position_ids[0].item() == 40

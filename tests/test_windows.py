@@ -152,3 +152,36 @@ def test_what_windows_cannot_serve_is_refused_by_name(pc):
     with pytest.raises(UnsupportedModelError, match="calibrated attention"):
         pc.prefill(Parts(parts, new, calibration="ape:0.9:0.9"))
     assert pc.batch_refusal == "", "windowed models batch: each sequence counts its window over its own rows"
+
+
+def test_a_forwards_record_reaches_its_own_attention_and_no_other_thread():
+    """A probe given to one forward (its ``Forward`` record) counts that forward's layers; stock
+    forwards of the same model running at the same time in another thread are not probed and
+    give the stock logits."""
+    import threading
+
+    from pcache_rag.models import attention
+    from pcache_rag.models.base import use_fast_attention
+
+    model = tiny_model("llama", 97)
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        assert use_fast_attention(model)
+        others, stop = [], threading.Event()
+
+        def stock_forwards():
+            while not stop.is_set():
+                others.append(torch.equal(model(input_ids=ids).logits, stock))
+
+        t = threading.Thread(target=stock_forwards)
+        t.start()
+        try:
+            probes = [attention.AttentionProbe(8) for _ in range(20)]
+            for p in probes:
+                model(input_ids=ids, **{attention.FORWARD: attention.Forward(probe=p)})
+        finally:
+            stop.set()
+            t.join()
+    assert [p.calls for p in probes] == [model.config.num_hidden_layers] * 20
+    assert others and all(others)

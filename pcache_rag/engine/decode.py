@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers.cache_utils import Cache
 
-from ..models.attention import calibrated
+from ..models.attention import Forward
 from ..models.fast_decode import decoding
 from .types import FinishReason, GenerationOutput, PrefillResult
 
@@ -288,7 +288,8 @@ class Decoder:
                 key_pos = torch.cat([key_pos, pos])
                 if self.adapter.family == "alibi":  # and ALiBi's bias comes with its mask
                     allowed = torch.ones(1, key_pos.shape[0], dtype=torch.bool, device=dev)
-            with calibrated(res.calibrated), decoding():  # a generated token: the decode weights, if any
-                logits = self.adapter.forward(ids, pos, cache, allowed, key_pos)[-1]
+            fwd = Forward(span=res.calibrated) if res.calibrated is not None else None
+            with decoding():  # a generated token: the decode weights, if any
+                logits = self.adapter.forward(ids, pos, cache, allowed, key_pos, fwd=fwd)[-1]
         seq.warn_if_cut()
         yield seq.output(res.cached_tokens, res.computed_tokens, res.recomputed_tokens, unbatched=unbatched)

@@ -31,7 +31,7 @@ import torch
 
 from ..kv import ModuleKV, Workspace
 from ..models import UnsupportedModelError
-from ..models.attention import CalibratedSpan, Calibration, RecomputedRows, calibrated, recomputing
+from ..models.attention import CalibratedSpan, Calibration, Forward, RecomputedRows
 from ..models.fast_decode import decoding as small_weights
 from ..recompute import Lexicon, Recompute, recompute_mask, select_rows
 from .mask import query_layout
@@ -81,7 +81,7 @@ class Prefiller:
         t1 = time.perf_counter()
         plain = C == 0 and not args  # nothing cached: an ordinary causal prefill
         # the split path, with no dense mask: new tokens over the cache, and recomputed rows
-        # where the attention is pcache_sdpa's (it reads which rows from recomputing())
+        # where the attention is pcache_sdpa's (it reads which rows from the forward's record, ``rec``)
         split = not args and adapter.family != "alibi" and (
             not rows or (self.split_recompute and getattr(adapter, "fast", False) and not adapter.constrained))
         span = self.calibrated_span(kvs, calibration, bool(args), policy if rows else None)
@@ -108,17 +108,18 @@ class Prefiller:
         key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.needs_key_positions and not plain else None
         t2 = time.perf_counter()
         rows_in_bf16 = small_weights() if self.query_weights and not plain else contextlib.nullcontext()
-        with calibrated(span) as counter, recomputing(rec) as rec_counter, rows_in_bf16:
+        fwd = Forward(span=span, rec=rec)
+        with rows_in_bf16:
             try:
-                logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos)[-1]
+                logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos, fwd=fwd)[-1]
             except BaseException:
                 if rec is not None:  # fresh rows may stand in place of stored ones: trust nothing resident
                     ws.invalidate()
                 raise
-        if span is not None and counter.calls == 0:
+        if span is not None and fwd.calibrated_calls == 0:
             raise UnsupportedModelError(f"calibrated attention: {type(adapter.model).__name__} does not run its "
                                         "attention through pcache_sdpa")
-        if rec is not None and rec_counter.calls == 0:  # the adapter said it does: a broken promise
+        if rec is not None and fwd.recomputed_calls == 0:  # the adapter said it does: a broken promise
             raise UnsupportedModelError(f"recompute: {type(adapter.model).__name__} did not run its attention "
                                         "through pcache_sdpa")
         if rows_t is not None:

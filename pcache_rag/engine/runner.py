@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kv import RequestKV
 from ..models import UnsupportedModelError
-from ..models.attention import Positions, RaggedStep, ragged
+from ..models.attention import Forward, Positions, RaggedStep
 from ..models.fast_decode import decoding as generated_rows
 from .batch import Batch, Request
 from .core import EngineCore
@@ -247,8 +247,9 @@ def ragged_forward(core: EngineCore, seqs: list, small: int) -> torch.Tensor:
     pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
                        dtype=torch.long, device=dev)
     ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
-    with ragged(step), generated_rows(small):
-        logits = core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends)  # (B, vocab)
+    with generated_rows(small):
+        logits = core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends,
+                                      fwd=Forward(step=step))  # (B, vocab)
     if step.calls == 0:
         raise UnsupportedModelError(f"{type(core.model).__name__} does not run its attention through "
                                     "pcache_sdpa: it cannot decode in a batch")

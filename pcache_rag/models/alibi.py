@@ -61,7 +61,9 @@ class AlibiAdapter(Adapter):
         return args, kwargs
 
     def forward(self, input_ids, position_ids, cache, allowed, key_positions, logits_to_keep: int | torch.Tensor = 1,
-                inputs_embeds: torch.Tensor | None = None):
+                inputs_embeds: torch.Tensor | None = None, fwd=None):
+        """As :meth:`Adapter.forward`; ``fwd`` is not read: these models' attention is their own,
+        not pcache_sdpa (its counters stay 0, and the callers that need it say so)."""
         if inputs_embeds is not None:
             raise ValueError("the ALiBi adapter runs token ids only; a learned conditioning prefix needs a RoPE model")
         q = input_ids.shape[0]

@@ -16,20 +16,20 @@ softmaxes over each set). On CPU the pieces run on PyTorch's flash kernel, which
 the LSE (``aten._scaled_dot_product_flash_attention_for_cpu``); elsewhere on a float32
 math path.
 
-**Recomputed rows** (:func:`recompute_attention`) ride on the split too, inside
-:func:`recomputing`: the rows' fresh keys replace their stale ones in place, runs of
-consecutive rows attend to the cache before them unmasked and to themselves causally, and
+**Recomputed rows** (:func:`recompute_attention`) ride on the split too, when a
+:class:`Forward` names them (``rec``): the rows' fresh keys replace their stale ones in place,
+runs of consecutive rows attend to the cache before them unmasked and to themselves causally, and
 the new tokens see the whole cache; only a scattered selection needs masks, small ones
 (blocks of rows, each over the keys between its first and last row).
 
-**Calibrated attention** (APE, arXiv 2502.05431) rides on the same split. Inside
-:func:`calibrated`, the keys of one cached range (the documents, after the shared
+**Calibrated attention** (APE, arXiv 2502.05431) rides on the same split. With
+a forward's ``span``, the keys of one cached range (the documents, after the shared
 preamble) get logits ``s/T + (S*T - 1) * LSE(s/T)`` on every query row, so that range's
 share of attention is ``exp(S*T*LSE(s/T))`` and its distribution inside is ``softmax(s/T)``:
 one flash call with scale ``1/T``, its LSE multiplied by ``S*T``. The preamble and the new
 tokens keep their logits. ``T = S = 1`` is ordinary attention.
 
-**Ragged steps** (:func:`ragged`, for continuous batching): one forward computes the tokens
+**Ragged steps** (a forward's ``step``, for continuous batching): one forward computes the tokens
 of ``B`` sequences that own their keys and values, of any lengths: one token of each
 sequence that decodes, and chunks of the prompts being prefilled, flattened into one query.
 The projections and MLPs run over all of them at once (one read of the weights); the
@@ -40,18 +40,22 @@ mask: a short sequence reads only its own rows.
 **Sliding windows and soft-capping** (Gemma 2/3, Mistral, Qwen2 local layers). transformers
 passes ``sliding_window`` and ``softcap`` to the attention of the layers that have them. A
 window is counted over *positions*, not cache rows (an assembled cache has gaps and moved
-units): inside :func:`positioned`, the adapter gives every forward the position of each
+units): a forward's ``positions``, given by the adapter, hold the position of each
 query and key, and a key is seen only where ``query_pos - key_pos < window`` (transformers'
 own rule). When no key falls outside a layer's window the ordinary paths serve it
 unchanged; otherwise, and on every soft-capped layer, :func:`constrained_attention` runs
 the same semantics (the mask, or "every earlier key and the block causally") in blocks of
 query rows, each over only the keys its rows can see, with the small mask that block needs.
+
+**How a forward says what it needs.** The engine's adapter passes one :class:`Forward` record
+with the model's own call, as the keyword :data:`FORWARD`; transformers hands a forward's
+extra keywords to every layer's attention function, so :func:`pcache_sdpa` reads it there.
+Nothing is kept in a thread's state or on the model between forwards, and a stock forward of
+the caller's model (no record) attends as stock attention does.
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +75,8 @@ def pcache_sdpa(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    step = getattr(_ragging, "step", None)
+    fwd: Forward | None = kwargs.pop(FORWARD, None)  # what the engine asks of this forward (None: a stock one)
+    step = fwd.step if fwd is not None else None
     if step is not None:  # a batch of sequences of their own lengths: each attends alone
         return step.attend(module, query, scaling, **kwargs), None
     B, H, q, D = query.shape
@@ -80,7 +85,7 @@ def pcache_sdpa(
     window: int | None = kwargs.get("sliding_window") or None
     softcap: float | None = kwargs.get("softcap") or None
     if window is not None or softcap is not None:
-        pos = getattr(_positioning, "spec", None)
+        pos = fwd.positions if fwd is not None else None
         if window is not None and pos is None and kv > window and attention_mask is None:
             # a stock forward of the caller's model, no engine in the call and no mask: one sequence
             # at contiguous positions, its queries the last q of its keys (transformers' own layout)
@@ -89,28 +94,26 @@ def pcache_sdpa(
         # in it) takes the masked path below
         cut = window is not None and pos is not None and pos.cuts(window)
         if cut or softcap:
-            if getattr(_recomputing, "spec", None) is not None or getattr(_calibrating, "span", None) is not None:
+            if fwd is not None and (fwd.rec is not None or fwd.span is not None):
                 raise ValueError(f"{NAME}: recomputed rows and calibrated attention take the dense mask on "
                                  "windowed or soft-capped layers")
-            probe = getattr(_probing, "probe", None)
+            probe = fwd.probe if fwd is not None else None
             if probe is not None:  # what the rows really see: the window applied
                 probe.add(query, key, effective_mask(attention_mask, q, kv, window if cut else None, pos,
                                                      query.device), scaling)
             return constrained_attention(query, key, value, attention_mask, scaling,
                                          window if cut else None, pos, softcap), None
-    probe = getattr(_probing, "probe", None)
+    probe, rec, cal = (fwd.probe, fwd.rec, fwd.span) if fwd is not None else (None, None, None)
     if probe is not None:
         probe.add(query, key, attention_mask, scaling)
-    rec = getattr(_recomputing, "spec", None)
     if attention_mask is None and rec is not None:
-        _recomputing.counter.calls += 1
+        fwd.recomputed_calls += 1  # type: ignore[union-attr]
         return recompute_attention(query, key, value, scaling, rec), None
-    cal = getattr(_calibrating, "span", None)
     if attention_mask is None and (cal is not None or q < kv and q > 1):
         if q > kv:
             raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys")
         if cal is not None:
-            _calibrating.counter.calls += 1
+            fwd.calibrated_calls += 1  # type: ignore[union-attr]
         return split_attention(query, key, value, scaling, cal), None
     if cal is not None:
         raise ValueError(f"{NAME}: calibrated attention needs the split path (no mask); this forward has one")
@@ -168,33 +171,6 @@ class CalibratedSpan:
     calibration: Calibration
 
 
-class _Counter:
-    calls = 0
-
-
-@contextmanager
-def calibrated(span: CalibratedSpan | None):
-    """Forwards of this thread inside the block attend with ``span``'s calibration, through
-    the split path. Yields a counter: ``.calls`` is how many attention calls applied it (0
-    after a forward means the model's attention does not run through ``pcache_sdpa``)."""
-    with _scoped(_calibrating, "span", span) as counter:
-        yield counter
-
-
-@contextmanager
-def _scoped(local: threading.local, name: str, value):
-    """Set ``local.<name>`` (and a fresh call counter) for the block, then restore both."""
-    prev = getattr(local, name, None), getattr(local, "counter", None)
-    counter = _Counter()
-    setattr(local, name, value)
-    local.counter = counter
-    try:
-        yield counter
-    finally:
-        setattr(local, name, prev[0])
-        local.counter = prev[1]
-
-
 @dataclass(frozen=True, slots=True)
 class RecomputedRows:
     """A recompute forward: its query starts with the cache ``rows`` (n,) computed again, whose
@@ -215,14 +191,6 @@ class RecomputedRows:
                 spans.append((r[a], r[i - 1] + 1))
                 a = i
         return cls(rows.to(device), C, tuple(spans), tuple(r))
-
-
-@contextmanager
-def recomputing(spec: RecomputedRows | None):
-    """Forwards of this thread inside the block attend as ``spec`` says, with no dense mask
-    (:func:`recompute_attention`). Yields a counter of the attention calls that did."""
-    with _scoped(_recomputing, "spec", spec) as counter:
-        yield counter
 
 
 @dataclass(slots=True, eq=False)
@@ -260,38 +228,18 @@ class RaggedStep:
             raise ValueError(f"{NAME}: a ragged step of {sum(self.counts)} tokens got a query of {tuple(query.shape)}")
         self.calls += 1
         i, off, outs = self.layer, 0, []
-        _ragging.step = None  # the per-sequence calls below are ordinary ones
-        try:
-            for b, (n, c) in enumerate(zip(self.lengths, self.counts)):
-                q = query[:, :, off : off + c]  # (1, H, c, D)
-                k = self.keys[b][i, :, : n + c][None]  # (1, H_kv, n+c, D), a view
-                v = self.values[b][i, :, : n + c][None]
-                if self.positions is not None:  # windows count over this sequence's own positions
-                    assert self.spans[b] is None, "calibrated attention is refused on windowed models"
-                    with positioned(self.positions[b]):
-                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
-                elif self.spans[b] is None:
-                    out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
-                else:
-                    with calibrated(self.spans[b]):
-                        out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **kwargs)
-                outs.append(out)  # (1, c, H, Dv)
-                off += c
-        finally:
-            _ragging.step = self
+        for b, (n, c) in enumerate(zip(self.lengths, self.counts)):
+            q = query[:, :, off : off + c]  # (1, H, c, D)
+            k = self.keys[b][i, :, : n + c][None]  # (1, H_kv, n+c, D), a view
+            v = self.values[b][i, :, : n + c][None]
+            # each sequence's call is an ordinary one: its own calibrated span, or its own positions
+            # for windows (calibrated attention is refused on windowed models)
+            assert self.positions is None or self.spans[b] is None
+            own = Forward(span=self.spans[b], positions=self.positions[b] if self.positions is not None else None)
+            out, _ = pcache_sdpa(module, q, k, v, None, scaling=scaling, **{**kwargs, FORWARD: own})
+            outs.append(out)  # (1, c, H, Dv)
+            off += c
         return torch.cat(outs, dim=1)
-
-
-def in_ragged_step() -> bool:
-    """Whether this thread's forward is a :class:`RaggedStep` (its sequences bring their own positions)."""
-    return getattr(_ragging, "step", None) is not None
-
-
-@contextmanager
-def ragged(step: RaggedStep | None):
-    """Forwards of this thread inside the block are :class:`RaggedStep` ``step``'s decode step."""
-    with _scoped(_ragging, "step", step) as counter:
-        yield counter
 
 
 def _attend(query, key, value, scale: float, causal: bool, mask: torch.Tensor | None = None):
@@ -473,13 +421,6 @@ class Positions:
         return self.span >= window
 
 
-@contextmanager
-def positioned(spec: Positions | None):
-    """Forwards of this thread inside the block count windows over ``spec``'s positions."""
-    with _scoped(_positioning, "spec", spec) as counter:
-        yield counter
-
-
 def effective_mask(mask: torch.Tensor | None, q: int, kv: int, window: int | None, pos: Positions | None,
                    device, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """The keys query rows ``rows`` (default: all ``q``) see: ``mask`` (B, 1, q, kv), or every
@@ -546,8 +487,8 @@ def constrained_attention(
 
 class AttentionProbe:
     """How much attention the query rows of a forward give to each of the first ``C`` keys,
-    summed over layers, heads and query rows: ``scores`` (C,). Used as a context manager
-    around one forward (``recompute="focus:R"``); counts the layers it saw in ``calls``."""
+    summed over layers, heads and query rows: ``scores`` (C,). Given to one forward as its
+    :class:`Forward`'s ``probe`` (``recompute="focus:R"``); counts the layers it saw in ``calls``."""
 
     def __init__(self, C: int):
         self.C = C
@@ -566,22 +507,35 @@ class AttentionProbe:
         self.scores = w if self.scores is None else self.scores + w
         self.calls += 1
 
-    def __enter__(self) -> AttentionProbe:
-        _probing.probe = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _probing.probe = None
 
 
-#: the calibrated span of this thread's forwards, if any (set by :func:`calibrated`)
-_calibrating = threading.local()
-_recomputing = threading.local()
-#: the probe of this thread's forward, if any (another thread's forwards are not probed)
-_probing = threading.local()
-#: the ragged decode step of this thread's forward, if any (set by :func:`ragged`)
-_ragging = threading.local()
-#: the query and key positions of this thread's forward, for windowed layers (:func:`positioned`)
-_positioning = threading.local()
+#: the model keyword that carries a :class:`Forward` down to :func:`pcache_sdpa` (transformers
+#: passes a forward's extra keywords to every layer's attention function)
+FORWARD = "pcache_forward"
+
+
+@dataclass(slots=True, eq=False)
+class Forward:
+    """What one of the engine's forwards asks of :func:`pcache_sdpa`, passed with it as the
+    model's keyword :data:`FORWARD` (:meth:`~.base.Adapter.forward`'s ``fwd``), never kept
+    between forwards or in a thread's state. Every field None is a stock forward.
+
+    * ``span``: keys calibrated on every query row (:class:`CalibratedSpan`);
+    * ``rec``: the query starts with recomputed cache rows (:class:`RecomputedRows`);
+    * ``probe``: an :class:`AttentionProbe` that sums the attention each cached key gets;
+    * ``step``: the forward is a :class:`RaggedStep` (each sequence attends alone);
+    * ``positions``: the positions windows count over (:class:`Positions`).
+
+    ``calibrated_calls`` and ``recomputed_calls`` count the attention calls that applied
+    ``span`` and ``rec``: 0 after a forward means the model's attention did not run through
+    :func:`pcache_sdpa`, and the caller says so."""
+
+    span: CalibratedSpan | None = None
+    rec: RecomputedRows | None = None
+    probe: AttentionProbe | None = None
+    step: RaggedStep | None = None
+    positions: Positions | None = None
+    calibrated_calls: int = 0
+    recomputed_calls: int = 0
 
 AttentionInterface.register(NAME, pcache_sdpa)

@@ -8,7 +8,7 @@ mask format their attention code expects; that is all a subclass overrides.
 
 Models with sliding-window layers (Gemma 2/3, Mistral, Qwen2 with ``use_sliding_window``)
 count each window over positions: every forward is given the position of each key as well
-as each query (:func:`~.attention.positioned`), so a cached unit's states are encoded with
+as each query (a :class:`~.attention.Forward`'s ``positions``), so a cached unit's states are encoded with
 the window and new tokens see only the keys inside it, wherever the units sit.
 """
 
@@ -128,31 +128,33 @@ class Adapter:
         key_positions: torch.Tensor | None,  # (kv_total,) position of every key (ALiBi needs it)
         logits_to_keep: int | torch.Tensor = 1,
         inputs_embeds: torch.Tensor | None = None,  # (q, hidden): these instead of input_ids' embeddings
+        fwd: attention.Forward | None = None,  # what this forward asks of pcache_sdpa
     ) -> torch.Tensor:
         """Run the model; returns logits ``(logits_to_keep, vocab)``, or those of the rows a tensor
         ``logits_to_keep`` (M,) names (a batch step's last token of each sequence); fills ``cache``.
         A windowed model needs ``key_positions`` over a non-empty cache. ``inputs_embeds`` (a
         learned conditioning prefix) replaces the tokens' embeddings; ``input_ids`` then only
-        gives the length."""
+        gives the length. ``fwd`` (:class:`~.attention.Forward`) goes with the model's call to its
+        attention; a windowed model's positions are written into it (a new one when None)."""
         mask = None if allowed is None else self.mask(allowed)
-        spec = None
-        if self.window is not None and not attention.in_ragged_step():  # (a ragged step's sequences bring theirs)
+        if self.window is not None and (fwd is None or fwd.step is None):  # (a ragged step's sequences bring theirs)
             if key_positions is None:
                 if cache.get_seq_length() > 0:
                     raise ValueError(f"{self.family} adapter: a sliding-window model needs key_positions "
                                      "for a forward over a filled cache")
                 key_positions = position_ids
-            spec = attention.Positions.of(position_ids, key_positions)
-        with attention.positioned(spec):
-            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
-            out = self.model(
-                **tokens,
-                position_ids=position_ids[None],
-                attention_mask=mask,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            fwd = fwd if fwd is not None else attention.Forward()
+            fwd.positions = attention.Positions.of(position_ids, key_positions)
+        tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        out = self.model(
+            **tokens,
+            position_ids=position_ids[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **({attention.FORWARD: fwd} if fwd is not None else {}),
+        )
         return out.logits[0]
 
 

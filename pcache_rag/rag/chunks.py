@@ -15,6 +15,7 @@ from ..conditioning import conditioning_kind, installed_prefix
 from ..engine import PromptCache
 from ..docmodules import Assembler
 from ..kv import ModuleKV
+from ..moved import moved
 from ..store import KVStore
 from .index_dir import Index, same_conditioning
 from .prompt import chunk_text
@@ -98,6 +99,11 @@ class ChunkStates:
         as the document marked in a framework's prompt."""
         return self.asm.doc_ids(self.text(text, source))
 
+    def __getattr__(self, name: str):
+        """``key``, ``encode`` and ``contains`` only forwarded to the assembler and the store, and
+        moved there (:data:`_MOVED`); still reached here for one release, with a ``DeprecationWarning``."""
+        return moved(self, name, _MOVED, "chunks")
+
     def parts(self, handles: Sequence[ModuleHandle]) -> list[tuple[str, ModuleKV]]:
         """The prompt's cached parts for ``handles``: the preamble, then each chunk's states at its
         slot, most relevant last (fetched, or encoded on first use for lazy chunks)."""
@@ -122,3 +128,5 @@ class ChunkStates:
             ids.extend(self.ids(h.text, h.source))
         return ids + question_ids
 
+
+_MOVED = {"key": "asm.key", "encode": "asm.encode_ids", "contains": "store.contains"}

@@ -129,8 +129,8 @@ class Student:
             C = past[0][0].shape[2]
             # An explicit mask keeps pcache_sdpa on the stock (differentiable) kernel.
             allowed = context_mask(T, C, self.dev)
-        extra = {} if embeds is None else {"inputs_embeds": embeds.to(self.dtype)}
-        logits = self.adapter.forward(ids_t, pos, cache, allowed, None, logits_to_keep=max(last, 1), **extra)
+        logits = self.adapter.forward(ids_t, pos, cache, allowed, None, logits_to_keep=max(last, 1),
+                                      inputs_embeds=None if embeds is None else embeds.to(self.dtype))
         layers: list[Any] = list(cache.layers)  # DynamicLayer each (transformers types them as a union)
         kv = [(layer.keys[:, :, C:], layer.values[:, :, C:]) for layer in layers]
         return (kv, logits[-last:].float()) if last else kv
