@@ -108,7 +108,7 @@ class Prefiller:
         key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.needs_key_positions and not plain else None
         t2 = time.perf_counter()
         rows_in_bf16 = small_weights() if self.query_weights and not plain else contextlib.nullcontext()
-        fwd = Forward(span=span, rec=rec)
+        fwd = Forward(span=span, rec=rec) if span is not None or rec is not None else None  # else a plain forward
         with rows_in_bf16:
             try:
                 logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos, fwd=fwd)[-1]
@@ -116,10 +116,10 @@ class Prefiller:
                 if rec is not None:  # fresh rows may stand in place of stored ones: trust nothing resident
                     ws.invalidate()
                 raise
-        if span is not None and fwd.calibrated_calls == 0:
+        if fwd is not None and fwd.span is not None and fwd.calibrated_calls == 0:
             raise UnsupportedModelError(f"calibrated attention: {type(adapter.model).__name__} does not run its "
                                         "attention through pcache_sdpa")
-        if rec is not None and fwd.recomputed_calls == 0:  # the adapter said it does: a broken promise
+        if fwd is not None and fwd.rec is not None and fwd.recomputed_calls == 0:  # the adapter said it does
             raise UnsupportedModelError(f"recompute: {type(adapter.model).__name__} did not run its attention "
                                         "through pcache_sdpa")
         if rows_t is not None:

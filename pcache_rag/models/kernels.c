@@ -382,7 +382,8 @@ static inline __attribute__((always_inline)) void gemm_rows(int fmt, const void*
         if (fmt == 0) tile_f32((const float* const*)w, K, xs + m0 * K, nb, mb, d);
 #if defined(PC_BF16_X1)
         else if (fmt == 1 && mbt == 1 && nb == PC_N1) tile_bf16_1((const uint16_t* const*)w, K, xs, PC_N1, d);
-        else if (fmt == 1 && mbt == 1) tile_bf16_1((const uint16_t* const*)w, K, xs, 1, d);
+        else if (fmt == 1 && mbt == 1) /* the rows after the tiles: one at a time (X is in tile_bf16_1's order) */
+            for (int j = 0; j < nb; j++) tile_bf16_1((const uint16_t* const*)w + j, K, xs, 1, d + j * PC_MAXT);
 #endif
         else if (fmt == 1) tile_bf16((const uint16_t* const*)w, K, xs + m0 * K, nb, mb, d);
         else tile_int8((const int8_t* const*)w, K, xs + m0 * K, nb, mb, d);
@@ -498,21 +499,6 @@ static inline float pc_sum16(const float* x, int64_t n) {
     for (int i = 0; i < 2; i++) v[i] = u[i] + u[i + 2];
     return v[0] + v[1];
 }
-
-/* The attention of one new token of each of M sequences over its own cached keys, in one
- * parallel region (a decode step's layer: one call for the whole batch, where a call a
- * sequence cost three calls, two thread barriers and a torch softmax, ~27 us each).
- *
- * Sequence i: queries q + i * qs, (H, G, D) (grouped-query attention: the G query heads of
- * key head h read h's keys, never repeated); keys and values at the addresses kp[i] and vp[i],
- * head h's rows from kp[i] + h * hs[i] floats, D a row, the first n[i] of them; output
- * out + i * os, (H, G, D). D a multiple of 16 and at most 256; G at most 16.
- *
- * Each sequence, as it would alone: s[h, g, j] = scale * q[h, g] . K[h, j] (dot_f32); p =
- * softmax over j (the row's max subtracted, pc_expf, pc_sum16, one division a key); out[h, g]
- * = sum_j p[h, g, j] V[h, j], the keys summed in blocks of PC_KB, each block into its own
- * partial, the partials added in block order. No sum depends on the thread count, on M, or on
- * which other sequences share the call. ``scratch``: pc_attention_scratch(...) floats. */
 
 /* s[g * ss + k] = scale * (q[g] . K[k]) for G queries (rows of D floats from q) and nk keys
  * (rows from K), each dot summed exactly as dot_f32 sums it (16 lanes, the fixed tree). Keys
@@ -630,6 +616,20 @@ static void pc_wsum(const float* p, int64_t ps, const float* V, int64_t nk, int6
         }
 }
 
+/* The attention of one new token of each of M sequences over its own cached keys, in one
+ * parallel region (a decode step's layer: one call for the whole batch, where a call a
+ * sequence cost three calls, two thread barriers and a torch softmax, ~27 us each).
+ *
+ * Sequence i: queries q + i * qs, (H, G, D) (grouped-query attention: the G query heads of
+ * key head h read h's keys, never repeated); keys and values at the addresses kp[i] and vp[i],
+ * head h's rows from kp[i] + h * hs[i] floats, D a row, the first n[i] of them; output
+ * out + i * os, (H, G, D). D a multiple of 16 and at most 256; G at most 16.
+ *
+ * Each sequence, as it would alone: s[h, g, j] = scale * q[h, g] . K[h, j] (dot_f32); p =
+ * softmax over j (the row's max subtracted, pc_expf, pc_sum16, one division a key); out[h, g]
+ * = sum_j p[h, g, j] V[h, j], the keys summed in blocks of PC_KB, each block into its own
+ * partial, the partials added in block order. No sum depends on the thread count, on M, or on
+ * which other sequences share the call. ``scratch``: pc_attention_scratch(...) floats. */
 #define PC_KB 128
 #define PC_SB 64 /* keys a work item of the scores */
 static inline int64_t pc_ceil(int64_t a, int64_t b) { return (a + b - 1) / b; }
