@@ -652,7 +652,9 @@ def fig_decode(model_path, sz: Sizes, log) -> Figure:
                      "processes this run started.")
     fig.notes.append(f"A {res['doc_tokens']}-token document read from the cache and a question; every row decodes "
                      f"exactly {res['new_tokens']} tokens. The floor is the linear weights' bytes a token over the "
-                     f"read bandwidth measured in this run ({res['bandwidth_gb_s']:.1f} GB/s). The fused fp32 step "
+                     "higher of the read bandwidths measured just before and just after the row's timing ("
+                     + ", ".join("-".join(f"{g:.0f}" for g in r["bandwidth_gb_s"]) for r in res["rows"])
+                     + " GB/s, row by row). The fused fp32 step "
                      "is PromptCache's default; bf16 decode weights are the RAG stack's default (Index.engine, "
                      "the CLI, the connectors), int8 is opt-in; prompt tokens keep fp32.")
     return fig
