@@ -79,7 +79,7 @@ class EngineCore:
         decode_weights = None if decode_weights == "fp32" else decode_weights  # "fp32": the model's own
         #: what ``decode_weights`` did (None: not asked for)
         self.decode_report = None if decode_weights is None else use_decode_weights(model, decode_weights, tokenizer)
-        if getattr(self.adapter, "rerotatable", False):
+        if self.adapter.rerotatable:
             # Start-up self-check of RoPE re-rotation on the live model (as LMCache does):
             # if moved keys do not match keys encoded in place, never move states.
             try:
@@ -197,6 +197,6 @@ def batch_refusal(adapter) -> str:
     """Why a model cannot decode in a batch ('' when it can)."""
     if adapter.family == "alibi":
         return "ALiBi models decode alone: their bias needs each request's key positions"
-    if not getattr(adapter, "fast", False):
+    if not adapter.fast:
         return f"{type(adapter.model).__name__} does not run its attention through pcache_sdpa"
     return ""

@@ -83,7 +83,7 @@ class Prefiller:
         # the split path, with no dense mask: new tokens over the cache, and recomputed rows
         # where the attention is pcache_sdpa's (it reads which rows from the forward's record, ``rec``)
         split = not args and adapter.family != "alibi" and (
-            not rows or (self.split_recompute and getattr(adapter, "fast", False) and not adapter.constrained))
+            not rows or (self.split_recompute and adapter.fast and not adapter.constrained))
         span = self.calibrated_span(kvs, calibration, bool(args), policy if rows else None)
         lay = query_layout(labels, [kv.length for kv in kvs], args, uncached_ids, uncached_positions, preamble,
                            need_mask=not (plain or split), attend_all=policy.kind == "all" and bool(rows))

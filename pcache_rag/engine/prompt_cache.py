@@ -125,7 +125,7 @@ class PromptCache:
             model, tokenizer, encoding, self.store_dtype, {"family": self.adapter.family}
         )
         self.encoder = Encoder(self.adapter, self.store, self.store_dtype)
-        self.movable = movable = bool(getattr(self.adapter, "rerotatable", False)) or self.adapter.family == "alibi"
+        self.movable = movable = bool(self.adapter.rerotatable) or self.adapter.family == "alibi"
         self.schemas = SchemaRegistry(tokenizer, self.chat, self.max_positions, self.fingerprint, encoding,
                                       self.encoder, self.store, movable, self.model_type)
         self.last_report: SchemaReport | None = None

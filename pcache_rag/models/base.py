@@ -44,6 +44,9 @@ class Adapter:
     family = "base"
     #: whether cached keys can be moved to other positions by rotation (RoPE)
     rerotatable = False
+    #: whether the model's attention runs through pcache_sdpa (split recompute, the batch's ragged
+    #: step and the fused decode step need it); set by adapters that install it
+    fast = False
     #: mask format: "bool" (True = attend), "additive" (0 / -inf) or "bool_inverted" (True = masked)
     mask_format = "bool"
 
