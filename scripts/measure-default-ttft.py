@@ -45,7 +45,7 @@ def main() -> None:
         cached, full = [], []
         for q in qs:
             hs = rag.retrieve(q.question)
-            q_ids = fit_question(rag, q.question, hs, {"max_new_tokens": 24})
+            q_ids = fit_question(rag, q.question, hs, 24)
             pc.workspace.invalidate()
             t0 = time.perf_counter()
             parts = rag.chunks.parts(hs)

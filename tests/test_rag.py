@@ -110,6 +110,29 @@ def test_cached_answer_is_faster_and_matches_baseline_text(rag):
     assert b.output.computed_tokens == len(rag.full_prompt_ids(q, hs))
 
 
+def test_an_answer_request_built_at_the_edge_is_answered_as_keywords_are(rag):
+    """The server hands CachedRAG the AnswerRequest its edge built (question, k, instruction,
+    sampling); the answer is the one the same settings give as keywords, and nothing is given twice."""
+    from pcache_rag.request import AnswerRequest, SamplingParams
+
+    q = "Which river flows north?"
+    req = AnswerRequest(question=q, k=1, instruction=" Answer in one word.", sampling=SamplingParams(max_new_tokens=6))
+    a = rag.answer(req)
+    b = rag.answer(q + " Answer in one word.", k=1, max_new_tokens=6)
+    assert [h.id for h in a.handles] == [h.id for h in rag.retrieve(q, 1)]  # the instruction is not searched for
+    assert a.output.token_ids == rag.answer(q + " Answer in one word.", handles=a.handles,
+                                            max_new_tokens=6).output.token_ids
+    assert len(a.output.token_ids) <= 6 and len(b.handles) == 1
+    full = rag.answer_full_prefill(req, handles=a.handles)
+    assert full.output.computed_tokens == len(rag.full_prompt_ids(q + " Answer in one word.", a.handles))
+    with pytest.raises(TypeError, match="carries its own"):
+        rag.answer(req, max_new_tokens=3)
+    with pytest.raises(ValueError, match="plain prompt"):
+        rag.stream(AnswerRequest(prompt="hi"))
+    with pytest.raises(TypeError, match="unexpected arguments: top_k"):
+        rag.answer(q, top_k=3)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "bloom"])
 def test_placed_chunk_equals_encoding_at_the_slot(smol_tok, tmp_path, family):
     """Isolated encoding: a chunk encoded once and moved (RoPE rotation / ALiBi no-op) gives the
@@ -261,6 +284,8 @@ def test_recompute_default_is_each_unless_calibrated(smol, tmp_path, corpus):
     assert CachedRAG(tmp_path / "index", pc=smol, recompute="EPIC:4").recompute == "epic:4"
     cal = CachedRAG(tmp_path / "index", pc=smol, calibration="ape:0.9:0.9")
     assert cal.calibration[0] == "ape:0.9:0.9" and cal.recompute is None
-    assert cal._ready("Which one?", None, [], {})[1].calibration == "ape:0.9:0.9"
+    from pcache_rag.rag.pipeline import prepare_answer
+
+    assert prepare_answer(cal, "Which one?", None, [], None, {})[1].calibration == "ape:0.9:0.9"
     with pytest.raises(ValueError, match="recompute must be"):
         CachedRAG(tmp_path / "index", pc=smol, recompute="match:0")

@@ -531,8 +531,10 @@ def _answer_events(service, questions: list[str], max_new_tokens: int = 2) -> li
     they all wait in its queue when it takes the first."""
     import asyncio
 
+    from pcache_rag.request import AnswerRequest
+
     async def run() -> list[list]:
-        jobs = [service.submit(q, max_new_tokens=max_new_tokens) for q in questions]
+        jobs = [service.submit(AnswerRequest(question=q, sampling=service.sampling(max_new_tokens))) for q in questions]
         service.start()
         out = []
         for j in jobs:

@@ -86,6 +86,12 @@ class CachedOutput:
                 "recomputed_tokens": o.recomputed_tokens, "documents": self.documents,
                 "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason, "uncached": self.uncached}
 
+    def usage(self) -> dict:
+        """:meth:`GenerationOutput.usage`'s keys, counted over the whole prompt, and its documents."""
+        st = self.stats()
+        return {k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens", "recomputed_tokens",
+                                   "output_tokens", "finish_reason", "documents")}
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -314,26 +320,30 @@ class Assembler(DocumentStates):
         yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, encoded,
                            plan.documents, plan.uncached)
 
-    def generate(self, segments: Sequence[Segment], recompute=None, **gen) -> CachedOutput:
+    def generate(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
+                 **gen) -> CachedOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
         ``recompute``: a policy (:mod:`pcache_rag.recompute`), ``"auto"`` (the RAG default,
-        ``match:1``) or ``None`` (the engine's own, ``none``).
-        ``gen``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``."""
+        ``match:1``) or ``None`` (the engine's own, ``none``). How to decode: ``params`` (a
+        :class:`~pcache_rag.request.SamplingParams`) and/or its fields as keywords
+        (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``grammar``)."""
         out = None
-        for item in self._run(segments, recompute, SamplingParams.of(**gen)):
+        for item in self._run(segments, recompute, SamplingParams.of(params, **gen)):
             if isinstance(item, CachedOutput):
                 out = item
         assert out is not None
         return out
 
-    def stream(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+    def stream(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
+               **gen) -> Iterator[str | CachedOutput]:
         """Text deltas as they are decoded, then the :class:`CachedOutput` (planned at the first item)."""
-        return self._run(segments, recompute, SamplingParams.of(**gen))
+        return self._run(segments, recompute, SamplingParams.of(params, **gen))
 
-    def stream_planned(self, segments: Sequence[Segment], recompute=None, **gen) -> Iterator[str | CachedOutput]:
+    def stream_planned(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
+                       **gen) -> Iterator[str | CachedOutput]:
         """:meth:`stream`, planned now: a prompt too long or unsupported is refused here, and its
         missing documents are encoded here, before the first item is asked for."""
-        params = SamplingParams.of(**gen)
+        params = SamplingParams.of(params, **gen)
         t0 = time.perf_counter()
         return self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params)
 

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..request import SamplingParams
+
 DOC_OPEN = "\ue000"
 DOC_CLOSE = "\ue001"
 #: what :func:`format_documents` puts between documents (and what ingest encodes after each)
@@ -100,9 +102,7 @@ class Segments(list):
 
 
 def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             stop=None, grammar: str | None = None) -> dict:
-    """Engine generation arguments from the frameworks' conventions: ``temperature`` 0 is greedy;
-    ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
-    t = float(temperature)
-    return {"max_new_tokens": int(max_new_tokens), "do_sample": t > 0, "temperature": t if t > 0 else 1.0,
-            "top_p": float(top_p), "seed": seed, "stop": list(stop or []), "grammar": grammar}
+             stop=None, grammar: str | None = None) -> SamplingParams:
+    """How to decode, from the frameworks' conventions (built once, at the connector's edge):
+    ``temperature`` 0 is greedy; ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
+    return SamplingParams.from_frameworks(max_new_tokens, temperature, top_p, seed, stop, grammar)

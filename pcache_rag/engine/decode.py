@@ -13,53 +13,14 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..models.attention import Forward
 from ..models.fast_decode import decoding
+from ..request import SamplingParams
 from .types import FinishReason, GenerationOutput, PrefillResult
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to decode: greedy by default; ``do_sample=True`` samples with ``temperature`` and
-    ``top_p`` (``seed`` makes it repeatable). Decoding stops at the model's end token, at any
-    string in ``stop`` (excluded from the text) or after ``max_new_tokens``. ``grammar`` (an
-    llguidance grammar from :mod:`pcache_rag.grammar`, e.g. ``json_grammar(schema)``)
-    constrains every token to it; the answer then ends where the grammar is complete."""
-
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        object.__setattr__(self, "stop", tuple(s for s in (self.stop or ()) if s))
-        if self.grammar is not None:
-            from ..grammar import check
-
-            check(self.grammar)  # a bad grammar is refused here, not after the prefill
-
-    @classmethod
-    def of(cls, params: SamplingParams | None = None, **kw: object) -> SamplingParams:
-        """``params`` with the keyword settings applied; an unknown name is refused (TypeError)."""
-        names = {f.name for f in fields(cls)}
-        bad = set(kw) - names
-        if bad:
-            raise TypeError(f"unexpected arguments: {', '.join(sorted(bad))}")
-        base = {f.name: getattr(params, f.name) for f in fields(cls)} if params is not None else {}
-        base.update(kw)
-        if base.get("stop") is None:
-            base["stop"] = ()
-        return cls(**base)  # type: ignore[arg-type]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

@@ -62,6 +62,12 @@ class GenerationOutput:
     decode_batch: int = 1  # the most sequences it decoded with in one forward (1: alone)
     unbatched: str = ""  # why it decoded alone with batching on (ALiBi, a model outside pcache_sdpa)
 
+    def usage(self) -> dict:
+        """What the answer cost, in the keys every answer's usage has (the server's ``usage``)."""
+        return {"prompt_tokens": self.cached_tokens + self.computed_tokens, "cached_tokens": self.cached_tokens,
+                "computed_tokens": self.computed_tokens, "recomputed_tokens": self.recomputed_tokens,
+                "output_tokens": len(self.token_ids), "finish_reason": self.finish_reason}
+
 
 @dataclass(slots=True)
 class SchemaReport:

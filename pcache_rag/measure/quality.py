@@ -686,8 +686,7 @@ def _rag_answers(rags: dict, modes, q: Question, max_new_tokens: int, tok, plant
     for mode in modes:
         enc = encoding_of(mode)
         rag, hs = rags[enc], handles[enc]
-        gen = {"max_new_tokens": max_new_tokens}
-        q_ids = fit_question(rag, q.question, hs, gen)
+        q_ids = fit_question(rag, q.question, hs, max_new_tokens)
         if mode == "full":
             reqs.append((Parts([], rag.full_prompt_ids(q.question, hs)), None))
             fetch.append(0.0)

@@ -139,7 +139,7 @@ def calibrate(rag, n: int = 24, k: int | None = None, grid=DEFAULT_GRID, seed: i
 
         it = tqdm(prompts, desc="calibrating", unit="prompt")
     for handles, question, _ in it:
-        q_ids = fit_question(rag, question, handles, {"max_new_tokens": FORCED + 1})
+        q_ids = fit_question(rag, question, handles, FORCED + 1)
         full_ids = rag.full_prompt_ids(question, handles)
         forced = pc.generate(Parts([], full_ids), max_new_tokens=FORCED).token_ids  # full prefill's own answer
         # one forward gives both references: after the question, and after the forced tokens

@@ -40,6 +40,7 @@ from ..engine import Generation, Parts, PromptCache
 from ..models.attention import Calibration
 from ..moved import moved
 from ..recompute import Recompute
+from ..request import AnswerRequest, SamplingParams
 from .chunks import ChunkStates, index_assembler
 from .embed import MiniLMEmbedder
 from .index import ChromaIndex
@@ -211,8 +212,12 @@ class CachedRAG:
         in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it.
         ``context``: the conversation's earlier texts, most recent first (``conversation_context(turns)``): a
         follow-up is looked up with them (:func:`~pcache_rag.rag.retrieval.with_context`)."""
-        k = self.k if k is None else _check_k(k)
         _check_question(question)
+        return self._retrieve(question, self.k if k is None else _check_k(k), prefetch, notes, embedding, context)
+
+    def _retrieve(self, question: str, k: int, prefetch: bool = True, notes: list[str] | None = None,
+                  embedding: list[float] | None = None, context: Sequence[str] = ()) -> list[ModuleHandle]:
+        """:meth:`retrieve` of a question and ``k`` already checked."""
         self.upkeep.refresh()
         hits = self.retriever.hits(question, k, embedding, context)
         if self.retriever.stale(hits):  # chunks that vanished since chroma's vector index was loaded: look again
@@ -230,40 +235,29 @@ class CachedRAG:
     def question_ids(self, question: str) -> list[int]:
         return question_ids(self.pc, question)
 
-    def answer(self, question: str, k: int | None = None, handles: list[ModuleHandle] | None = None,
-               **gen) -> RAGAnswer:
-        """Retrieve (unless ``handles`` are given), assemble cached states, generate."""
+    def answer(self, question: str | AnswerRequest, k: int | None = None, handles: list[ModuleHandle] | None = None,
+               params: SamplingParams | None = None, **gen) -> RAGAnswer:
+        """Retrieve (unless ``handles`` are given), assemble cached states, generate. ``question``:
+        the text, or an :class:`~pcache_rag.request.AnswerRequest` built and checked elsewhere (the
+        server's edge), which then carries ``k``, its instruction and how to decode. How to decode:
+        ``params`` (a :class:`~pcache_rag.request.SamplingParams`) and/or its fields as keywords
+        (``max_new_tokens=...``); ``recompute`` and ``calibration`` override the index's own."""
         t0 = time.perf_counter()
-        handles, prompt, gen, t_ret = self._ready(question, k, handles, gen)
+        handles, prompt, recompute, sp, t_ret = prepare_answer(self, question, k, handles, params, gen)
         t_pre = time.perf_counter() - t0
-        out = self.pc.generate(prompt, **gen)
+        out = self.pc.generate(prompt, recompute, sp)
         return RAGAnswer(out.text, handles, out, t_ret, t_pre + out.ttft_s)
 
-    def stream(self, question: str, k: int | None = None, handles: list[ModuleHandle] | None = None,
-               **gen) -> Generation:
-        """Text deltas of the answer; the returned :class:`Generation` holds its output (tokens,
-        cached and computed counts, TTFT) once exhausted."""
-        _, prompt, gen, _ = self._ready(question, k, handles, gen)
-        return self.pc.stream(prompt, **gen)
-
-    def _ready(self, question: str, k: int | None, handles: list[ModuleHandle] | None,
-               gen: dict) -> tuple[list[ModuleHandle], Parts, dict, float]:
-        """The handles (retrieved unless given), the answer's prompt (its states fetched, lazy ones
-        encoded on first use; calibrated as the index says unless ``gen`` sets it), the rest of
-        ``gen`` with this index's recompute policy, and the seconds retrieval took."""
-        t0 = time.perf_counter()
-        _check_question(question)
-        if handles is None:
-            handles = self.retrieve(question, k)
-        t_ret = time.perf_counter() - t0
-        q_ids = fit_question(self, question, handles, gen)
-        calibration = self.calibration[0]
-        structured = gen.get("grammar") is not None  # "auto" is each:1 for a structured answer
-        gen = answer_settings(gen, self.folder.recompute(self._recompute_arg, calibration, structured), calibration)
-        return handles, Parts(self.chunks.parts(handles), q_ids, "preamble", gen.pop("calibration")), gen, t_ret
+    def stream(self, question: str | AnswerRequest, k: int | None = None, handles: list[ModuleHandle] | None = None,
+               params: SamplingParams | None = None, **gen) -> Generation:
+        """Text deltas of the answer (arguments as :meth:`answer`); the returned :class:`Generation`
+        holds its output (tokens, cached and computed counts, TTFT) once exhausted."""
+        _, prompt, recompute, sp, _ = prepare_answer(self, question, k, handles, params, gen)
+        return self.pc.stream(prompt, recompute, sp)
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],
-                     notes: list[str] | None = None, tenant: str | None = None, **gen):
+                     notes: list[str] | None = None, tenant: str | None = None, params: SamplingParams | None = None,
+                     **gen):
         """A conversation's answer: its ``turns`` (a system message, else the index's own, then the
         earlier turns), then a user turn of the retrieved chunks and the ``question``; the chunks'
         states are read as in :meth:`stream`. Calibrated attention applies to single questions only,
@@ -277,10 +271,11 @@ class CachedRAG:
             notes.append(f"the index's calibrated attention ({self.calibration[0]}) applies to single questions, "
                          "not to conversations: this answer is uncalibrated")
         segs = self.asm.message_segments(turns, tenant=self.namespace if tenant is None else tenant)
-        return self.asm.stream_planned(segs, recompute=self.recompute, **gen)
+        return self.asm.stream_planned(segs, recompute=self.recompute, params=SamplingParams.of(params, **gen))
 
-    def stream_prompt(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None,
-                      notes: list[str] | None = None, tenant: str | None = None, **gen):
+    def stream_prompt(self, messages: Sequence[tuple[str, str]] | None = None, prompt: str | None = None,
+                      notes: list[str] | None = None, tenant: str | None = None, params: SamplingParams | None = None,
+                      **gen):
         """A prompt answered as sent, chat ``messages`` or a text ``prompt``, with no retrieval: the
         index's chunks (and other known documents) in it are read from the cache, marked or not;
         why other text was computed joins ``notes``; what it teaches is kept for ``tenant`` (default:
@@ -291,7 +286,7 @@ class CachedRAG:
                 else self.asm.text_segments(prompt or "", learn=self.learn, tenant=t))
         if notes is not None:
             notes.extend(segs.uncached)
-        return self.asm.stream_planned(segs, **gen)
+        return self.asm.stream_planned(segs, params=SamplingParams.of(params, **gen))
 
     def carries_documents(self, text: str) -> bool:
         """Whether ``text`` holds one of the index's chunks (or another known document): a prompt
@@ -303,18 +298,22 @@ class CachedRAG:
         """The same tokens the cached path reads, for a full prefill."""
         return self.chunks.prompt_ids(handles, self.question_ids(question))
 
-    def answer_full_prefill(self, question: str, k: int | None = None,
-                            handles: list[ModuleHandle] | None = None, **gen) -> RAGAnswer:
-        """The baseline: the same retrieved text, prefilled in full (nothing reused)."""
+    def answer_full_prefill(self, question: str | AnswerRequest, k: int | None = None,
+                            handles: list[ModuleHandle] | None = None, params: SamplingParams | None = None,
+                            **gen) -> RAGAnswer:
+        """The baseline: the same retrieved text, prefilled in full (nothing reused); arguments as
+        :meth:`answer`."""
         t0 = time.perf_counter()
-        _check_question(question)
-        if handles is None:
-            handles = self.retrieve(question, k, prefetch=False)
-        t_ret = time.perf_counter() - t0
-        fit_question(self, question, handles, gen)
         gen.pop("recompute", None)  # nothing is cached: there is nothing to recompute or calibrate
         gen.pop("calibration", None)
-        out = self.pc.generate(Parts([], self.full_prompt_ids(question, handles)), **gen)
+        req = as_request(question, k, params, gen)
+        assert req.question is not None
+        if handles is None:
+            handles = self._retrieve(req.question, self.k if req.k is None else req.k, prefetch=False)
+        t_ret = time.perf_counter() - t0
+        text = req.question + req.instruction
+        fit_question(self, text, handles, req.sampling.max_new_tokens)
+        out = self.pc.generate(Parts([], self.full_prompt_ids(text, handles)), None, req.sampling)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def close(self) -> None:
@@ -325,6 +324,44 @@ class CachedRAG:
 _MOVED = {"refresh": "upkeep.refresh", "pending_uploads": "upkeep.pending_uploads", "state_stats": "upkeep.state_stats",
           "prune": "upkeep.prune", "repair": "upkeep.repair", "commit": "upkeep.commit", "chunk_ids": "chunks.ids",
           "parts": "chunks.parts", "upload_dir": "folder.upload_dir"}
+
+
+def prepare_answer(rag: CachedRAG, question: str | AnswerRequest, k: int | None, handles: list[ModuleHandle] | None,
+                   params: SamplingParams | None,
+                   gen: dict) -> tuple[list[ModuleHandle], Parts, str | Recompute | None, SamplingParams, float]:
+    """The handles (retrieved unless given), the answer's prompt (its states fetched, lazy ones
+    encoded on first use; calibrated as the index says unless ``gen`` sets it), its recompute
+    policy (the index's unless ``gen`` sets it), how to decode, and the seconds retrieval took.
+    The request is built (and checked) once, here or at the caller's edge."""
+    t0 = time.perf_counter()
+    settings = {name: gen.pop(name) for name in ("recompute", "calibration") if name in gen}
+    req = as_request(question, k, params, gen)
+    assert req.question is not None
+    sp = req.sampling
+    if handles is None:
+        handles = rag._retrieve(req.question, rag.k if req.k is None else req.k)
+    t_ret = time.perf_counter() - t0
+    question = req.question + req.instruction  # the instruction is read, not searched for
+    q_ids = fit_question(rag, question, handles, sp.max_new_tokens)
+    calibration = rag.calibration[0]
+    structured = sp.grammar is not None  # "auto" is each:1 for a structured answer
+    settings = answer_settings(settings, rag.folder.recompute(rag._recompute_arg, calibration, structured),
+                               calibration)
+    prompt = Parts(rag.chunks.parts(handles), q_ids, "preamble", settings["calibration"])
+    return handles, prompt, settings["recompute"], sp, t_ret
+
+
+def as_request(question: str | AnswerRequest, k: int | None, params: SamplingParams | None,
+               gen: dict) -> AnswerRequest:
+    """``question`` as a checked :class:`AnswerRequest` (itself when it is one already: then ``k``,
+    ``params`` and ``gen`` must be unset; its own fields say them). An unknown keyword is refused by name."""
+    if isinstance(question, AnswerRequest):
+        if k is not None or params is not None or gen:
+            raise TypeError("an AnswerRequest carries its own k and sampling: give them in it, not beside it")
+        if question.question is None:
+            raise ValueError("this AnswerRequest is a plain prompt: CachedRAG.stream_prompt answers it")
+        return question
+    return AnswerRequest(question=question, k=None if k is None else _check_k(k), sampling=SamplingParams.of(params, **gen))
 
 
 def _check_k(k) -> int:

@@ -57,17 +57,17 @@ def check_fits(preamble_tokens: int, k: int, chunk_tokens: int, max_positions: i
         )
 
 
-def fit_question(rag: Any, question: str, handles: list, gen: dict) -> list[int]:
+def fit_question(rag: Any, question: str, handles: list, max_new_tokens: int) -> list[int]:
     """The question's ids for a prompt of ``rag``'s preamble and ``handles``' chunks, or
-    :class:`~pcache_rag.engine.ContextOverflowError` if that prompt and ``gen``'s
-    ``max_new_tokens`` cannot fit the model."""
+    :class:`~pcache_rag.engine.ContextOverflowError` if that prompt and ``max_new_tokens`` cannot
+    fit the model."""
     q = rag.question_ids(question)
     ctx = len(rag.preamble_ids) + sum(h.n_tokens or len(rag.chunks.ids(h.text, h.source)) for h in handles)
-    need = ctx + len(q) + int(gen.get("max_new_tokens", 64))
+    need = ctx + len(q) + int(max_new_tokens)
     if need > rag.asm.max_positions:
         raise ContextOverflowError(
             f"the question is {len(q)} tokens; with {len(handles)} chunks ({ctx} tokens) and "
-            f"{gen.get('max_new_tokens', 64)} new tokens the prompt needs {need} positions, but the model "
+            f"{max_new_tokens} new tokens the prompt needs {need} positions, but the model "
             f"takes {rag.asm.max_positions}: shorten the question or retrieve fewer chunks"
         )
     return q

@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..rag.chunking import SUPPORTED
+from ..request import MAX_QUESTION_CHARS, AnswerRequest
 from .guard import LOOPBACK_NAMES, Guard
 from .http import CatchAll, body_json, error, events_of, first_event
 from .openai_api import router as openai_router
@@ -174,14 +175,13 @@ def create_app(service: AnswerService, max_upload_mb: float = 20.0, allowed_host
         unknown = set(data) - {"question", "k", "compare", "max_tokens"}
         if unknown:
             raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
-        gen = {}
-        if data.get("max_tokens") is not None:
-            m = data["max_tokens"]
-            if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1024:
-                raise RequestError("max_tokens must be a whole number from 1 to 1024")
-            gen["max_new_tokens"] = m
-        job = service.submit(data.get("question"), data.get("k"), bool(data.get("compare")),
-                             tenant=getattr(request.state, "tenant", ""), **gen)
+        m = data.get("max_tokens")
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1024):
+            raise RequestError("max_tokens must be a whole number from 1 to 1024")
+        job = service.submit(AnswerRequest(question=data.get("question", ""), k=data.get("k"),
+                                           compare=bool(data.get("compare")), sampling=service.sampling(m),
+                                           tenant=getattr(request.state, "tenant", ""),
+                                           max_chars=MAX_QUESTION_CHARS))
         try:
             first = await first_event(job, request)
         except BaseException:

@@ -39,6 +39,7 @@ from sse_starlette import EventSourceResponse
 
 from .. import tools
 from ..grammar import resolve, with_instruction
+from ..request import MAX_PROMPT_CHARS, MAX_QUESTION_CHARS, AnswerRequest, SamplingParams
 from .http import body_json, events_of, first_event
 from .errors import RequestError
 
@@ -122,8 +123,10 @@ def _unsupported(name: str) -> RequestError:
     return RequestError(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
 
 
-def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dict:
-    """The engine's generation arguments from OpenAI's sampling fields (refusing what it cannot honour)."""
+def _sampling(data: dict, notes: list[str], default_max: int, max_name: str = "max_tokens",
+              grammar: str | None = None) -> SamplingParams:
+    """How to decode, from OpenAI's sampling fields (refusing what cannot be honoured by name);
+    ``default_max`` new tokens when the body sets no limit."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(data, name, -2, 2):
             raise RequestError(f"{name} is not supported by this server (only 0)", param=name,
@@ -132,7 +135,7 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
         raise _unsupported("logit_bias")
     if (_number(data, "n", 1, 128, integer=True) or 1) != 1:
         raise RequestError("n must be 1", param="n", code="unsupported_value")
-    gen: dict = {}
+    gen: dict = {"max_new_tokens": default_max, "grammar": grammar}
     t = _number(data, "temperature", 0, 2)
     if t:
         gen.update(do_sample=True, temperature=float(t))
@@ -153,15 +156,14 @@ def _sampling(data: dict, notes: list[str], max_name: str = "max_tokens") -> dic
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop) or len(stop) > 4:
             raise RequestError("stop must be a string or a list of up to 4 strings", param="stop")
-        gen["stop"] = stop
-    return gen
+        gen["stop"] = tuple(stop)
+    return SamplingParams(**gen)
 
 
-def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, list[str], bool]:
-    """(plain model?, the plain model's messages or the RAG model's (question, earlier turns,
-    instruction after the question),
-    generation arguments, k, notes, whether the answer is read for tool calls)
-    from a chat-completions body, or :class:`RequestError` naming what cannot be honoured."""
+def parse_request(data: dict, service, tenant: str = "") -> tuple[AnswerRequest, list[str], bool]:
+    """The request a chat-completions body asks for (the plain model's messages, or the RAG model's
+    question after its earlier turns), the notes for its answer, and whether the answer is read
+    for tool calls; or :class:`RequestError` naming what cannot be honoured."""
     _refuse_unknown(data, _KNOWN)
     for name in _UNSUPPORTED:
         v = data.get(name)
@@ -187,7 +189,6 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
         raise RequestError(f"the last message must be the user's question{' or a tool result' if with_tools else ''},"
                            f" not a {last['role']!r} message", param="messages")
     notes: list[str] = []
-    gen = _sampling(data, notes, "max_completion_tokens")
     try:
         grammar, instruction = resolve(data.get("response_format"))
     except ValueError as e:
@@ -206,15 +207,19 @@ def parse_request(data: dict, service) -> tuple[bool, object, dict, int | None, 
     except tools.ToolError as e:
         raise RequestError(str(e), param="tools" if "tool_choice" not in str(e) else "tool_choice",
                            code="invalid_value") from None
-    grammar = grammar or use.grammar
-    if grammar is not None:  # decoding follows the grammar; the model reads the schema or the tools too
-        gen["grammar"] = grammar
+    # decoding follows the grammar; the model reads the schema or the tools too
+    sp = _sampling(data, notes, service.max_new_tokens, "max_completion_tokens", grammar or use.grammar)
     if plain:
-        return True, with_instruction(use.turns, instruction), gen, None, notes, use.parse
+        if data.get("k") is not None:
+            raise RequestError("k is for the RAG model's retrieval; the plain model reads the prompt as sent",
+                               param="k", code="unsupported_parameter")
+        return AnswerRequest(messages=tuple(with_instruction(use.turns, instruction)), sampling=sp,
+                             tenant=tenant, max_chars=MAX_PROMPT_CHARS), notes, use.parse
     # the RAG model: the last user message is the question, retrieval runs on it alone; the
     # system message and earlier turns go into the prompt before the documents, and a response
     # format's instruction after the question
-    return False, (turns[-1][1], turns[:-1], instruction), gen, data.get("k"), notes, False
+    return AnswerRequest(question=turns[-1][1], history=tuple(turns[:-1]), instruction=instruction,
+                         k=data.get("k"), sampling=sp, tenant=tenant, max_chars=MAX_QUESTION_CHARS), notes, False
 
 
 def _calls(m: dict, i: int) -> list[tools.ToolCall]:
@@ -225,8 +230,9 @@ def _calls(m: dict, i: int) -> list[tools.ToolCall]:
         raise RequestError(f"messages[{i}].{e}", param="messages") from None
 
 
-def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, list[str]]:
-    """(plain model?, the prompt, generation arguments, k, notes) from a completions body."""
+def parse_completion(data: dict, service, tenant: str = "") -> tuple[AnswerRequest, list[str]]:
+    """The request a completions body asks for (the plain model's text prompt, or the RAG model's
+    question) and the notes for its answer."""
     _refuse_unknown(data, _KNOWN_TEXT)
     if data.get("logprobs") is not None:
         raise _unsupported("logprobs")
@@ -243,8 +249,11 @@ def parse_completion(data: dict, service) -> tuple[bool, str, dict, int | None, 
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt must be a non-empty string (one prompt per request)", param="prompt")
     notes: list[str] = []
-    gen = _sampling(data, notes)
-    return plain, prompt, gen, (None if plain else data.get("k")), notes
+    sp = _sampling(data, notes, service.max_new_tokens)
+    if plain:
+        return AnswerRequest(prompt=prompt, sampling=sp, tenant=tenant, max_chars=MAX_PROMPT_CHARS), notes
+    return AnswerRequest(question=prompt, k=data.get("k"), sampling=sp, tenant=tenant,
+                         max_chars=MAX_QUESTION_CHARS), notes
 
 
 def _finish(reason: str | None) -> str:
@@ -266,15 +275,6 @@ def _usage(done: dict) -> dict:
 def tenant_of(request: Request) -> str:
     """The tenant the request's API key names (set by :class:`~.guard.Guard`; ``""`` without keys)."""
     return getattr(request.state, "tenant", "")
-
-
-def _submit(service, plain: bool, body, gen: dict, k, text_prompt: bool = False, tenant: str = ""):
-    if not plain:
-        question, history, instruction = (body, None, "") if text_prompt else body
-        return service.submit(question, k, history=history, instruction=instruction, tenant=tenant, **gen)
-    if text_prompt:
-        return service.submit_plain(prompt=body, tenant=tenant, **gen)
-    return service.submit_plain(messages=body, tenant=tenant, **gen)
 
 
 async def _respond(request: Request, data: dict, job, notes: list[str], chat: bool, read_calls: bool = False):
@@ -373,9 +373,8 @@ def _call_delta(d: tools.Delta) -> dict:
 async def chat_completions(request: Request):
     service = request.app.state.service
     data = await body_json(request)
-    plain, body, gen, k, notes, read_calls = parse_request(data, service)
-    return await _respond(request, data, _submit(service, plain, body, gen, k, tenant=tenant_of(request)), notes,
-                          chat=True, read_calls=read_calls)
+    req, notes, read_calls = parse_request(data, service, tenant_of(request))
+    return await _respond(request, data, service.submit(req), notes, chat=True, read_calls=read_calls)
 
 
 @router.post("/completions")
@@ -385,6 +384,5 @@ async def completions(request: Request):
     RAG model it is the question."""
     service = request.app.state.service
     data = await body_json(request)
-    plain, prompt, gen, k, notes = parse_completion(data, service)
-    job = _submit(service, plain, prompt, gen, k, text_prompt=True, tenant=tenant_of(request))
-    return await _respond(request, data, job, notes, chat=False)
+    req, notes = parse_completion(data, service, tenant_of(request))
+    return await _respond(request, data, service.submit(req), notes, chat=False)

@@ -34,40 +34,28 @@ from ..engine.watchdog import DEFAULT_STALL_S
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
 from ..rag.retrieval import conversation_context
-from .errors import Busy, RequestError, check_question
+from ..request import AnswerRequest, SamplingParams
+from .errors import Busy, RequestError
 from .uploads import Uploads
 
 log = logging.getLogger(__name__)
 
-#: a plain-model prompt carries its documents: far longer than a question, still bounded
-MAX_PROMPT_CHARS = 400_000
-
 
 @dataclass
 class Job:
-    """One question. ``events`` receives ``(kind, data)``: ``start`` (sources), ``delta``
-    (text), ``done`` (statistics), ``full`` (the compare answer), ``error``; ``None`` ends it."""
+    """One request on its way through the service: the :class:`~pcache_rag.request.AnswerRequest`
+    as the edge built it, and where its answer goes. ``events`` receives ``(kind, data)``:
+    ``start`` (sources), ``delta`` (text), ``done`` (statistics), ``full`` (the compare answer),
+    ``error``; ``None`` ends it."""
 
-    question: str
-    k: int | None
-    gen: dict
-    compare: bool
+    req: AnswerRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     submitted: float = field(default_factory=time.perf_counter)
-    #: the plain model's input, answered as sent (no retrieval): chat messages, or a text prompt
-    messages: list[tuple[str, str]] | None = None
-    #: the RAG model's conversation before the question: (role, text) turns, system included
-    history: list[tuple[str, str]] | None = None
-    prompt: str | None = None
-    #: said after the question in the prompt, not searched for (a response format's schema)
-    instruction: str = ""
     #: the question's retrieval vector, when the worker embedded several waiting questions at once
     query_embedding: list[float] | None = None
-    #: whose request this is (from its API key): what its prompt teaches is kept for this tenant only
-    tenant: str = ""
 
     def emit(self, kind: str | None, data=None) -> None:
         try:
@@ -173,32 +161,17 @@ class AnswerService:
     def model_id(self) -> str:
         return self.rag.pc.model_name
 
-    def submit(self, question: str, k: int | None = None, compare: bool = False,
-               history: list[tuple[str, str]] | None = None, instruction: str = "", tenant: str = "", **gen) -> Job:
-        """Queue a question (call from the event loop); raises :class:`RequestError` or
-        :class:`Busy` at once rather than failing later. ``instruction`` follows the question in
-        the prompt and is not part of the retrieval query."""
-        q = check_question(question)
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32):
-            raise RequestError("k must be a whole number from 1 to 32")
-        gen.setdefault("max_new_tokens", self.max_new_tokens)
-        # an empty index is refused by the worker (_indexed), before anything streams
-        return self._enqueue(Job(q, k, gen, compare, asyncio.get_running_loop(), history=history or None,
-                                 instruction=instruction, tenant=tenant))
+    def submit(self, req: AnswerRequest) -> Job:
+        """Queue ``req`` (call from the event loop; the edge built and checked it); raises
+        :class:`Busy` at once when the queue is full rather than failing later. An empty index is
+        refused by the worker (:func:`_indexed`), before anything streams."""
+        if not isinstance(req, AnswerRequest):
+            raise TypeError(f"submit takes an AnswerRequest, not {type(req).__name__}")
+        return self._enqueue(Job(req, asyncio.get_running_loop()))
 
-    def submit_plain(self, messages: list[tuple[str, str]] | None = None, prompt: str | None = None,
-                     tenant: str = "", **gen) -> Job:
-        """Queue a prompt for the plain model: chat ``messages`` (every role and turn, as sent)
-        or a text ``prompt``, answered with no retrieval; known documents in it (ingested
-        chunks, documents seen before) are found and read from the cache."""
-        if (messages is None) == (prompt is None):
-            raise RequestError("give messages or a prompt")
-        size = len(prompt) if prompt is not None else sum(len(c) for _, c in messages or [])
-        if size > MAX_PROMPT_CHARS:
-            raise RequestError(f"the prompt is {size} characters; the limit is {MAX_PROMPT_CHARS}", 413)
-        gen.setdefault("max_new_tokens", self.max_new_tokens)
-        return self._enqueue(Job("", None, gen, False, asyncio.get_running_loop(), messages=messages, prompt=prompt,
-                                 tenant=tenant))
+    def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
+        """Greedy decoding of ``max_new_tokens`` (this service's default answer length when None)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
     def _enqueue(self, job: Job) -> Job:
         """Put ``job`` in the queue, or :class:`Busy` when it is full."""
@@ -269,7 +242,7 @@ class AnswerService:
             return None
         except Exception:  # noqa: BLE001 - one bad request never stops the service
             self.counts["failed"] += 1
-            log.exception("answering request %s (%r) failed", job.id, job.question[:80])
+            log.exception("answering request %s (%r) failed", job.id, (job.req.question or "")[:80])
             # a stable code and one line of our own: the exception's text (an internal parser's, a
             # library's) stays in the log, under the request's id
             job.emit("error", {"status": 500, "code": "internal_error",
@@ -308,15 +281,15 @@ class AnswerService:
         out = out if out is not None else getattr(stream, "output", None)  # a Generation holds its own
         if out is None:
             raise RuntimeError("the answer stream ended without its output")
-        usage = _usage_of(out)
-        if job.gen.get("grammar") and usage["finish_reason"] == "length":
+        usage = out.usage()  # a GenerationOutput or a CachedOutput: the same keys
+        if job.req.sampling.grammar and usage["finish_reason"] == "length":
             notes.append("the answer reached max_tokens before its structured output was complete: it is cut "
                          "short (raise max_tokens)")
         stats = {**usage, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
                  "queued_s": queued, "retrieve_s": retrieve_s, "total_s": time.perf_counter() - t0, "notes": notes}
         job.emit("done", stats)
         self.counts["answered"] += 1
-        if job.compare and handles is not None and not job.cancelled.is_set():
+        if job.req.compare and handles is not None and not job.cancelled.is_set():
             compare_full(rag, job, handles, retrieve_s, stats["ttft_s"])
 
     # ------------------------------------------------------------------ state
@@ -330,35 +303,37 @@ def open_job(service: AnswerService, job: Job) -> _Opened | None:
     """Retrieve and build ``job``'s stream on ``service``, up to its first item (None: an error was
     sent). The plain model's prompt, and a question that carries documents the server knows, are
     answered as sent; any other question is retrieved for, with the conversation before it."""
-    rag = service.rag
+    rag, req = service.rag, job.req
     queued = time.perf_counter() - job.submitted
     t0 = time.perf_counter()
     notes: list[str] = []
     handles = None
     retrieve_s = 0.0
+    sp = req.sampling
     try:
-        if job.messages is None and job.prompt is None and len(job.question) >= MIN_CHARS \
-                and rag.carries_documents(job.question):
+        messages = req.messages
+        if req.question is not None and len(req.question) >= MIN_CHARS and rag.carries_documents(req.question):
             # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
             notes.append("the question carries documents this server knows: answered as sent, without "
                          "retrieval (they are read from the cache)")
-            job.messages = [*(job.history or []), ("user", job.question + job.instruction)]
-        if job.messages is not None or job.prompt is not None:  # the plain model: the prompt as sent
-            stream = rag.stream_prompt(job.messages, job.prompt, notes, tenant=job.tenant, **job.gen)
+            messages = (*req.history, ("user", req.question + req.instruction))
+        if messages is not None or req.prompt is not None:  # the plain model: the prompt as sent
+            stream = rag.stream_prompt(messages, req.prompt, notes, tenant=req.tenant, params=sp)
         else:
+            assert req.question is not None
             indexed = _indexed(rag, service.uploads.running)
             if service.uploads.running:
                 notes.append(f"ingestion is running: this answer uses the {indexed} chunks indexed so far")
-            context = conversation_context(job.history or [])  # a follow-up is looked up with what came before
+            context = conversation_context(list(req.history))  # a follow-up is looked up with what came before
             if context:
                 notes.append(f"retrieval also read {len(context)} earlier message(s) of the conversation")
-            handles = rag.retrieve(job.question, job.k, notes=notes, embedding=job.query_embedding,
+            handles = rag.retrieve(req.question, req.k, notes=notes, embedding=job.query_embedding,
                                    context=context)
             retrieve_s = time.perf_counter() - t0
-            question = job.question + job.instruction
-            stream = (rag.stream_turns(job.history, question, handles, notes, tenant=job.tenant, **job.gen)
-                      if job.history
-                      else rag.stream(question, handles=handles, **job.gen))
+            stream = (rag.stream_turns(list(req.history), req.question + req.instruction, handles, notes,
+                                       tenant=req.tenant, params=sp)
+                      if req.history
+                      else rag.stream(req, handles=handles))
         # a prompt through the Assembler is planned now (Assembler.stream_planned): a prompt too long or
         # unsupported is the client's error, said before anything streams
     except RequestError as e:
@@ -374,7 +349,7 @@ def open_job(service: AnswerService, job: Job) -> _Opened | None:
 def compare_full(rag, job: Job, handles, retrieve_s: float, cached_ttft_s: float) -> None:
     """The ``full`` event of a compare job: the same retrieved text prefilled in full (both
     times to first token include the same retrieval)."""
-    full = rag.answer_full_prefill(job.question, handles=handles, **job.gen)
+    full = rag.answer_full_prefill(job.req, handles=handles)
     full_ttft = retrieve_s + full.output.ttft_s
     job.emit("full", {"text": full.text, "ttft_s": full_ttft, "cached_ttft_s": cached_ttft_s,
                       "speedup": full_ttft / max(cached_ttft_s, 1e-9), "prompt_tokens": full.output.computed_tokens})
@@ -478,11 +453,11 @@ def _take_waiting(first: Job, q: queue.Queue, slots: threading.Semaphore) -> tup
 def _embed_together(rag, jobs: list[Job]) -> None:
     """Embed the retrieval queries of several questions in one call of the embedding model;
     each job keeps its vector for its retrieval. One question embeds its own."""
-    asking = [j for j in jobs if j.messages is None and j.prompt is None]
+    asking = [j for j in jobs if j.req.question is not None]
     if len(asking) < 2:
         return
     try:
-        vectors = rag.embedder.embed([j.question for j in asking])
+        vectors = rag.embedder.embed([j.req.question for j in asking])
     except Exception as e:  # noqa: BLE001 - each question then embeds its own, and fails on its own
         log.warning("embedding %d questions together failed (%s): each is embedded alone", len(asking), e)
         return
@@ -505,15 +480,3 @@ class _Opened:
 def _source(h) -> dict:
     return {"document": Path(h.source).name, "chunk": int(h.metadata.get("chunk", 0)), "score": round(h.score, 4),
             "tokens": h.n_tokens, "preview": h.text[:240]}
-
-
-def _usage_of(out) -> dict:
-    """The usage figures of a finished answer: a GenerationOutput (the RAG path) or a
-    CachedOutput (prompts through the Assembler, which also counts their documents)."""
-    if hasattr(out, "stats"):
-        st = out.stats()
-        return {k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens", "recomputed_tokens",
-                                   "output_tokens", "finish_reason", "documents")}
-    return {"prompt_tokens": out.cached_tokens + out.computed_tokens, "cached_tokens": out.cached_tokens,
-            "computed_tokens": out.computed_tokens, "recomputed_tokens": out.recomputed_tokens,
-            "output_tokens": len(out.token_ids), "finish_reason": out.finish_reason}

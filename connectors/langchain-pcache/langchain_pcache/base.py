@@ -21,6 +21,7 @@ shares one engine per config in the process (:func:`pcache_rag.docmodules.shared
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from pcache_rag import connector, tools
 from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import resolve, with_instruction
+from pcache_rag.request import SamplingParams
 
 if TYPE_CHECKING:
     from pcache_rag.docmodules import Assembler, CachedOutput
@@ -86,11 +88,11 @@ class _EngineConfig:
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_pcache"]
 
-    def _gen(self, stop: list[str] | None, kwargs: dict) -> dict:
-        """Engine arguments from the instance's defaults and a call's overrides; anything the
-        engine cannot honour is refused by name. ``response_format`` (OpenAI's shapes) or
-        ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer; the former's instruction
-        is returned under ``"instruction"`` for the prompt."""
+    def _gen(self, stop: list[str] | None, kwargs: dict) -> tuple[SamplingParams, Any, str]:
+        """(how to decode, the recompute policy, the instruction for the prompt) from the
+        instance's defaults and a call's overrides, built once; anything the engine cannot honour
+        is refused by name. ``response_format`` (OpenAI's shapes) or ``grammar``
+        (:mod:`pcache_rag.grammar`) constrains the answer; the former's instruction goes into the prompt."""
         name = type(self).__name__
         known = {"temperature", "top_p", "seed", "max_tokens", "recompute", "model", "response_format", "grammar"}
         if isinstance(self, BaseChatModel):  # the chat model reads tools (a text prompt has no system turn)
@@ -101,10 +103,10 @@ class _EngineConfig:
         if kwargs.get("model", self.model) != self.model:
             raise ValueError(f"this {name} serves {self.model!r}, not {kwargs['model']!r}")
         grammar, instruction = resolve(kwargs.get("response_format"), kwargs.get("grammar"))
-        gen = sampling(kwargs.get("max_tokens", self.max_tokens), kwargs.get("temperature", self.temperature),
-                       kwargs.get("top_p", self.top_p), kwargs.get("seed", self.seed),
-                       stop if stop is not None else self.stop, grammar=grammar)
-        return {**gen, "recompute": kwargs.get("recompute", self.recompute), "instruction": instruction}
+        sp = sampling(kwargs.get("max_tokens", self.max_tokens), kwargs.get("temperature", self.temperature),
+                      kwargs.get("top_p", self.top_p), kwargs.get("seed", self.seed),
+                      stop if stop is not None else self.stop, grammar=grammar)
+        return sp, kwargs.get("recompute", self.recompute), instruction
 
     def _asm(self) -> Assembler:
         if self._assembler is None:  # under the index's own conditioning, when there is an index
@@ -338,15 +340,15 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
     def _run(self, messages: list[BaseMessage], stop, kwargs) -> tuple[Iterator[str | CachedOutput], bool]:
         """The answer's stream, and whether it is read for tool calls."""
         asm = self._asm()
-        gen = self._gen(stop, kwargs)
+        sp, recompute, instruction = self._gen(stop, kwargs)
         use = tools.prepare([_turn(m) for m in messages], kwargs.get("tools"), kwargs.get("tool_choice"),
-                            kwargs.get("parallel_tool_calls"), grammar_given=gen["grammar"] is not None,
+                            kwargs.get("parallel_tool_calls"), grammar_given=sp.grammar is not None,
                             plan=self.tool_plan)
-        gen["grammar"] = gen["grammar"] or use.grammar
-        recompute = gen.pop("recompute")
-        turns = with_instruction(use.turns, gen.pop("instruction"))
+        if sp.grammar is None and use.grammar is not None:
+            sp = dataclasses.replace(sp, grammar=use.grammar)
+        turns = with_instruction(use.turns, instruction)
         segs = asm.message_segments(turns, learn=self.learn_documents, tenant=self.namespace)
-        return asm.stream(segs, recompute=recompute, **gen), use.parse
+        return asm.stream(segs, recompute=recompute, params=sp), use.parse
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -460,11 +462,10 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
         asm = self._asm()
-        gen = self._gen(stop, kwargs)
-        recompute = gen.pop("recompute")
-        gen.pop("instruction")  # a text prompt is read as written: the grammar applies, no schema is added
+        # a text prompt is read as written: the grammar applies, no schema is added
+        sp, recompute, _ = self._gen(stop, kwargs)
         segs = asm.text_segments(prompt, learn=self.learn_documents, tenant=self.namespace)
-        for item in asm.stream(segs, recompute=recompute, **gen):
+        for item in asm.stream(segs, recompute=recompute, params=sp):
             if not isinstance(item, str):
                 yield GenerationChunk(text="", generation_info=item.stats())
                 continue

@@ -31,6 +31,7 @@ would read. A node that nobody encoded is encoded on first use and stored.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import warnings
 from contextvars import ContextVar
@@ -68,6 +69,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from pcache_rag import connector, tools
 from pcache_rag.docmodules import DEFAULT_SYSTEM, format_documents, sampling
 from pcache_rag.grammar import json_grammar, resolve, with_instruction
+from pcache_rag.request import SamplingParams
 
 if TYPE_CHECKING:
     from pcache_rag.docmodules import Assembler, CachedOutput
@@ -144,8 +146,8 @@ class PromptCacheLLM(FunctionCallingLLM):
 
     # ------------------------------------------------------------------ internals
 
-    def _gen(self, kwargs: dict, chat: bool = False) -> tuple[dict, Any, str]:
-        """(engine arguments, recompute policy, instruction for the prompt) from a call's
+    def _gen(self, kwargs: dict, chat: bool = False) -> tuple[SamplingParams, Any, str]:
+        """(how to decode, recompute policy, instruction for the prompt), built once from a call's
         keywords; anything the engine cannot honour is refused by name. ``response_format``
         (OpenAI's shapes) or ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer.
         ``chat`` calls also take ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (read by
@@ -173,15 +175,16 @@ class PromptCacheLLM(FunctionCallingLLM):
         read_calls = False
         if chat and turns is not None:
             use = tools.prepare(turns, kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("parallel_tool_calls"),
-                                grammar_given=gen["grammar"] is not None, plan=self.tool_plan)
+                                grammar_given=gen.grammar is not None, plan=self.tool_plan)
             turns, read_calls = use.turns, use.parse
-            gen["grammar"] = gen["grammar"] or use.grammar
+            if gen.grammar is None and use.grammar is not None:
+                gen = dataclasses.replace(gen, grammar=use.grammar)
         asm = self.assembler
         learn = self.learn_documents
         ns = self.namespace
         segs = asm.message_segments(with_instruction(turns, instruction), learn=learn, tenant=ns) \
             if turns is not None else asm.text_segments(text or "", learn=learn, tenant=ns)
-        return asm.stream(segs, recompute=recompute, **gen), read_calls
+        return asm.stream(segs, recompute=recompute, params=gen), read_calls
 
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = ""
