@@ -263,6 +263,10 @@ class FusedDecodeStep:
         self._many: list[torch.Tensor] | None = None  # many()'s scratch, grown to the largest batch seen
         if lib is not None:
             self._attn = kernels.Attention(lib, Hkv, H // Hkv, D)
+            # every layer for pc_decode_layers: the weights now, each call's cache rows when it runs
+            self._plan = (kernels.Layer * len(self.layers))()
+            for lay, row in zip(self.layers, self._plan):
+                row.weights([m.gemv for m in (lay.qkv, lay.o, lay.gate_up, lay.down)], lay.norm1, lay.norm2)
         #: the thread count the last token ran on (the C kernels fit it to the free CPUs)
         self.threads = 0
 
@@ -285,16 +289,18 @@ class FusedDecodeStep:
         torch.mul(ang.sin(), self.rope_scale, out=self._sin)
         self._h.copy_(self.embed[token])
         n = layers[0].length
+        bufs = []
         for i, layer in enumerate(layers):
             kb, vb = layer.buffers  # (Hkv, capacity, D) each
             if layer.length != n or n >= kb.shape[1]:
                 raise RuntimeError(f"cache layer {i} holds {layer.length} of {kb.shape[1]} rows; the step needs {n} "
                                    "and room for one more")
+            bufs.append((kb, vb))
         if self._lib is not None:
             with kernels.Team(self._lib) as self.threads:
-                self._step_c(layers, n)
+                self._step_c(bufs, n)
         else:
-            self._step_torch(layers, n)
+            self._step_torch(bufs, n)
         for layer in layers:
             layer.set_length(n + 1)
         return self._logits
@@ -310,26 +316,20 @@ class FusedDecodeStep:
                 raise ValueError("key and value buffers of different layouts")
             self._checked.add(key)
 
-    def _step_c(self, layers, n: int) -> None:
-        lib, attn = self._lib, self._attn
+    def _step_c(self, bufs: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """Every layer in one call of ``pc_decode_layers`` (the calls this loop made one by one in
+        Python, in the same order: the same bits), then the final norm and the head."""
+        lib, plan = self._lib, self._plan
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        hidden, eps, inter = self._h.numel(), self.eps, self.inter
-        hp, xp, qkvp, qp = self._h.data_ptr(), self._x.data_ptr(), self._qkv.data_ptr(), self._q.data_ptr()
-        attp, gup, actp = self._att.data_ptr(), self._gu.data_ptr(), self._act.data_ptr()
-        cosp, sinp, scale = self._cos.data_ptr(), self._sin.data_ptr(), D ** -0.5
-        for lay, layer in zip(self.layers, layers):
-            kb, vb = layer.buffers
+        for row, (kb, vb) in zip(plan, bufs):
             self._readable(kb, vb, n)
-            lib.pc_rmsnorm(hp, lay.norm1.data_ptr(), xp, hidden, eps)
-            lay.qkv.gemv.raw(xp, qkvp)  # type: ignore[union-attr]
-            lib.pc_rope_write(qkvp, cosp, sinp, H, Hkv, D, qp, kb.data_ptr(), vb.data_ptr(), kb.stride(0), n)
-            attn(qp, kb, vb, n + 1, scale, attp)
-            lay.o.gemv.raw(attp, hp, True)  # type: ignore[union-attr]
-            lib.pc_rmsnorm(hp, lay.norm2.data_ptr(), xp, hidden, eps)
-            lay.gate_up.gemv.raw(xp, gup)  # type: ignore[union-attr]
-            lib.pc_silu_mul(gup, actp, inter)
-            lay.down.gemv.raw(actp, hp, True)  # type: ignore[union-attr]
-        lib.pc_rmsnorm(hp, self.norm.data_ptr(), xp, hidden, eps)
+            row.k, row.v, row.hs = kb.data_ptr(), vb.data_ptr(), kb.stride(0)
+        hp, xp = self._h.data_ptr(), self._x.data_ptr()
+        lib.pc_decode_layers(plan, len(plan), kernels.FORMATS[self.fmt], hp, xp, self._qkv.data_ptr(),
+                             self._q.data_ptr(), self._att.data_ptr(), self._gu.data_ptr(), self._act.data_ptr(),
+                             self._cos.data_ptr(), self._sin.data_ptr(), self._h.numel(), H, Hkv, D, self.inter,
+                             self.eps, D ** -0.5, n, self._attn.scratch_for(n + 1))
+        lib.pc_rmsnorm(hp, self.norm.data_ptr(), xp, self._h.numel(), self.eps)
         self.head.gemv.raw(xp, self._logits.data_ptr())  # type: ignore[union-attr]
 
     @torch.no_grad()
@@ -393,12 +393,11 @@ class FusedDecodeStep:
         lib.pc_rmsnorm_rows(hp, self.norm.data_ptr(), xp, M, hidden, eps)
         self.head.gemv.raw_many(xp, logits.data_ptr(), M)  # type: ignore[union-attr]
 
-    def _step_torch(self, layers, n: int) -> None:
+    def _step_torch(self, bufs: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         G, half, inter = H // Hkv, D // 2, self.inter
         cos, sin, h = self._cos.repeat(2), self._sin.repeat(2), self._h  # (D,)
-        for lay, layer in zip(self.layers, layers):
-            kb, vb = layer.buffers
+        for lay, (kb, vb) in zip(self.layers, bufs):
             qkv = lay.qkv(self._rms(h, lay.norm1), self._qkv)
             qk = qkv[: (H + Hkv) * D].view(H + Hkv, D)
             if lay.q_norm is not None:

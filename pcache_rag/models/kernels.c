@@ -760,3 +760,41 @@ void pc_silu_mul(const float* gu, float* out, int64_t I) {
 void pc_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I) {
     for (int64_t i = 0; i < M; i++) pc_silu_mul(gu + i * 2 * I, out + i * I, I);
 }
+
+/* One decoder layer's weights (each product's W, its row scales for int8, its bias) and norms,
+ * and where the token's key and value go: the layers pc_decode_layers walks. */
+typedef struct {
+    const void* w[4]; /* qkv, o, gate_up, down */
+    const float* s[4];
+    const float* b[4];
+    const float* norm1;
+    const float* norm2;
+    float* k; /* (Hkv, capacity, D): the layer's cached keys, rows < n, and the token's at row n */
+    float* v;
+    int64_t hs; /* floats from one key head to the next */
+} pc_layer;
+
+/* One token through nl Llama-style decoder layers, in place on h (hidden,): per layer the calls
+ * decode_step.py made one by one (RMSNorm, the fused q/k/v product, RoPE and the cache write,
+ * attention over rows <= n, the output product added to h, RMSNorm, the gate/up product, the
+ * SiLU gate, the down product added to h), in the same order on the same buffers, so the same
+ * bits, with one call from Python where there were eleven a layer. scratch holds at least
+ * pc_attention_scratch(1, {n + 1}, ...) floats. */
+void pc_decode_layers(const pc_layer* L, int64_t nl, int fmt, float* h, float* x, float* qkv, float* q, float* att,
+                      float* gu, float* act, const float* cos_, const float* sin_, int64_t hidden, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t inter, float eps, float scale, int64_t n, float* scratch) {
+    const int64_t G = H / Hkv, nqkv = (H + 2 * Hkv) * D, keys = n + 1;
+    for (int64_t l = 0; l < nl; l++) {
+        const pc_layer* y = L + l;
+        const int64_t kp = (int64_t)(intptr_t)y->k, vp = (int64_t)(intptr_t)y->v, hs = y->hs;
+        pc_rmsnorm(h, y->norm1, x, hidden, eps);
+        gemm(fmt, y->w[0], y->s[0], x, qkv, y->b[0], nqkv, hidden, 1, 0);
+        pc_rope_write(qkv, cos_, sin_, H, Hkv, D, q, y->k, y->v, hs, n);
+        pc_attention(1, q, 0, &kp, &vp, &hs, &keys, att, 0, Hkv, G, D, scale, scratch);
+        gemm(fmt, y->w[1], y->s[1], att, h, y->b[1], hidden, H * D, 1, 1);
+        pc_rmsnorm(h, y->norm2, x, hidden, eps);
+        gemm(fmt, y->w[2], y->s[2], x, gu, y->b[2], 2 * inter, hidden, 1, 0);
+        pc_silu_mul(gu, act, inter);
+        gemm(fmt, y->w[3], y->s[3], act, h, y->b[3], hidden, inter, 1, 1);
+    }
+}

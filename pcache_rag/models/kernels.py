@@ -208,7 +208,9 @@ def _load(variant: str) -> ctypes.CDLL | None:
     lib.pc_silu_mul.argtypes = [vp, vp, i64]
     lib.pc_rmsnorm_rows.argtypes = [vp, vp, vp, i64, i64, f32]
     lib.pc_silu_mul_rows.argtypes = [vp, vp, i64, i64]
-    for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
+    lib.pc_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, i32, vp, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64,
+                                     i64, i64, i64, f32, f32, i64, vp]
+    for f in (lib.pc_decode_layers, lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
               lib.pc_gemm_int8, lib.pc_attention, lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rmsnorm_rows,
               lib.pc_silu_mul_rows, lib.pc_rope_write):
         f.restype = None
@@ -372,6 +374,26 @@ class Gemv:
             self._f(self._w, xp, yp, self._b, self.N, self.K, int(add))
 
 
+class Layer(ctypes.Structure):
+    """One decoder layer for ``pc_decode_layers`` (kernels.c's ``pc_layer``): its four products'
+    weights, row scales (int8) and biases (qkv, o, gate_up, down), its two norms, and the cache
+    layer the token's key and value go to (keys, values, floats between key heads)."""
+
+    _fields_ = [("w", ctypes.c_void_p * 4), ("s", ctypes.c_void_p * 4), ("b", ctypes.c_void_p * 4),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("hs", ctypes.c_int64)]
+
+    def weights(self, products: list[Gemv], norm1: torch.Tensor, norm2: torch.Tensor) -> None:
+        """Point this layer at ``products`` (qkv, o, gate_up, down: one format) and its norms."""
+        for i, g in enumerate(products):
+            self.w[i], self.s[i], self.b[i] = g._w, g._s, g._b
+        self.norm1 = _check(norm1, torch.float32, norm1.numel(), "norm1")
+        self.norm2 = _check(norm2, torch.float32, norm2.numel(), "norm2")
+
+
+FORMATS = {"fp32": 0, "bf16": 1, "int8": 2}  # kernels.c's gemm(fmt, ...)
+
+
 class Attention:
     """One new token's grouped-query attention, for one sequence or several at once, for a fixed
     geometry (``H`` key heads, ``G`` query heads each, head size ``D``), with its scratch:
@@ -407,6 +429,15 @@ class Attention:
         ``values`` (checked with :meth:`check` for this ``n``), written to ``op`` (H, G, D)."""
         self.many(1, qp, 0, [(keys, values)], [n], scale, op, 0)
 
+    def scratch_for(self, n: int) -> int:
+        """The scratch's address, grown for one sequence's attention over ``n`` keys
+        (``pc_decode_layers`` attends every layer with it)."""
+        self._n[0] = n
+        need = self.lib.pc_attention_scratch(1, self._n, self.H, self.G, self.D)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(max(2 * need, 1 << 16))
+        return self.scratch.data_ptr()
+
     def many(self, M: int, qp: int, qs: int, kv: list, ns: list[int], scale: float, op: int, os_: int) -> None:
         """Attention of M sequences' queries, sequence i's at ``qp + 4 * i * qs`` (H, G, D), over rows
         ``< ns[i]`` of its ``kv[i]`` = (keys, values) (each checked with :meth:`check`), written to
@@ -437,5 +468,5 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return out
 
 
-__all__ = ["VARIANTS", "Attention", "FreeCpus", "Gemv", "cpu_flags", "cpu_variant", "load", "rmsnorm",
+__all__ = ["VARIANTS", "FORMATS", "Attention", "Layer", "FreeCpus", "Gemv", "cpu_flags", "cpu_variant", "load", "rmsnorm",
            "runs_here", "silu_mul", "threads", "wanted", "why_not", "Team"]
