@@ -399,34 +399,42 @@ static inline __attribute__((always_inline)) void gemm_rows(int fmt, const void*
     }
 }
 
+/* X rounded to bf16 into xr (M x K) for a bf16 or int8 W (one token's in tile_bf16_1's order
+ * where the build has it); fp32 W reads X as it is. Returns what the products read. */
+static inline const float* gemm_x(int fmt, const float* X, float* xr, int64_t M, int64_t K) {
+    if (fmt == 0) return X;
+#if defined(PC_BF16_X1)
+    if (fmt == 1 && M == 1) { pc_bf16_x1(X, xr, K); return xr; } /* one token: tile_bf16_1's order */
+#endif
+    for (int64_t i = 0; i < M * K; i++) xr[i] = round_bf16(X[i]);
+    return xr;
+}
+
+/* Thread t of T's rows of a product, inside a parallel region: [lo, hi), as nbt runs of q rows
+ * walked side by side, then the rest. Which thread computes a row never changes its bits. */
+static inline void gemm_part(int fmt, const void* W, const float* scale, const float* xs, float* Y, const float* bias,
+                             int64_t N, int64_t K, int64_t M, int add, int64_t t, int64_t T) {
+    const int nbt = M == 1 ? PC_N1 : PC_NB, mbt = M == 1 ? 1 : PC_MB;
+    const int64_t lo = N * t / T, hi = N * (t + 1) / T, q = (hi - lo) / nbt;
+    int64_t rows[PC_MAXT];
+    for (int64_t i = 0; i < q; i++) {
+        for (int j = 0; j < nbt; j++) rows[j] = lo + j * q + i;
+        gemm_rows(fmt, W, scale, xs, Y, bias, N, K, M, add, rows, nbt, mbt);
+    }
+    for (int64_t n = lo + nbt * q; n < hi; n++) gemm_rows(fmt, W, scale, xs, Y, bias, N, K, M, add, &n, 1, mbt);
+}
+
 static void gemm(int fmt, const void* W, const float* scale, const float* X, float* Y, const float* bias,
                  int64_t N, int64_t K, int64_t M, int add) {
-    const float* xs = X;
     float* xr = NULL;
     if (fmt != 0) {
         xr = (float*)malloc(sizeof(float) * M * K);
         if (!xr) return;
-#if defined(PC_BF16_X1)
-        if (fmt == 1 && M == 1) pc_bf16_x1(X, xr, K); /* one token: tile_bf16_1's order */
-        else
-#endif
-        for (int64_t i = 0; i < M * K; i++) xr[i] = round_bf16(X[i]);
-        xs = xr;
     }
-    const int nbt = M == 1 ? PC_N1 : PC_NB, mbt = M == 1 ? 1 : PC_MB;
+    const float* xs = gemm_x(fmt, X, xr, M, K);
     int nt = pc_threads();
     #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        /* this thread's rows [lo, hi), as nbt runs of q rows walked side by side, then the rest */
-        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t lo = N * t / T, hi = N * (t + 1) / T, q = (hi - lo) / nbt;
-        int64_t rows[PC_MAXT];
-        for (int64_t i = 0; i < q; i++) {
-            for (int j = 0; j < nbt; j++) rows[j] = lo + j * q + i;
-            gemm_rows(fmt, W, scale, xs, Y, bias, N, K, M, add, rows, nbt, mbt);
-        }
-        for (int64_t n = lo + nbt * q; n < hi; n++) gemm_rows(fmt, W, scale, xs, Y, bias, N, K, M, add, &n, 1, mbt);
-    }
+    gemm_part(fmt, W, scale, xs, Y, bias, N, K, M, add, omp_get_thread_num(), omp_get_num_threads());
     free(xr);
 }
 
@@ -647,11 +655,13 @@ static inline int64_t pc_owner(const int64_t* first, int64_t M, int64_t it) {
     return i;
 }
 
-void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, const int64_t* vp, const int64_t* hs,
-                  const int64_t* n, float* out, int64_t os, int64_t H, int64_t G, int64_t D, float scale,
-                  float* scratch) {
+/* pc_attention's work, called by every thread of a parallel region (its loops share the region's
+ * threads: orphaned "omp for", each ending at a barrier); each thread lays out the same index. */
+static void attention_body(int64_t M, const float* q, int64_t qs, const int64_t* kp, const int64_t* vp,
+                           const int64_t* hs, const int64_t* n, float* out, int64_t os, int64_t H, int64_t G,
+                           int64_t D, float scale, float* scratch) {
     const int64_t HG = H * G, HGD = H * G * D;
-    int64_t idx[5 * (M + 1)]; /* on the stack: M is a batch's size (a decode step calls this a layer) */
+    int64_t idx[5 * (M + 1)]; /* on the stack, each thread's own: M is a batch's size */
     /* per sequence: where its scores and partials start, and its first item of each phase */
     int64_t *s0 = idx, *p0 = idx + (M + 1), *f1 = idx + 2 * (M + 1), *f3 = idx + 3 * (M + 1), *nb = idx + 4 * (M + 1);
     s0[0] = 0, f1[0] = 0, f3[0] = 0;
@@ -663,8 +673,6 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
     }
     p0[0] = s0[M];
     for (int64_t i = 0; i < M; i++) p0[i + 1] = p0[i] + nb[i] * HGD;
-    int nt = pc_threads();
-    #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         /* scores: items (sequence, key head, block of PC_SB keys) */
         #pragma omp for schedule(static)
@@ -714,6 +722,14 @@ void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, cons
             }
         }
     }
+}
+
+void pc_attention(int64_t M, const float* q, int64_t qs, const int64_t* kp, const int64_t* vp, const int64_t* hs,
+                  const int64_t* n, float* out, int64_t os, int64_t H, int64_t G, int64_t D, float scale,
+                  float* scratch) {
+    int nt = pc_threads();
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    attention_body(M, q, qs, kp, vp, hs, n, out, os, H, G, D, scale, scratch);
 }
 
 /* RoPE (the half-rotation convention) on one token's projections, and its key and value
@@ -777,24 +793,54 @@ typedef struct {
 /* One token through nl Llama-style decoder layers, in place on h (hidden,): per layer the calls
  * decode_step.py made one by one (RMSNorm, the fused q/k/v product, RoPE and the cache write,
  * attention over rows <= n, the output product added to h, RMSNorm, the gate/up product, the
- * SiLU gate, the down product added to h), in the same order on the same buffers, so the same
- * bits, with one call from Python where there were eleven a layer. scratch holds at least
+ * SiLU gate, the down product added to h), on the same buffers with the same sums, so the same
+ * bits, in one parallel region for the whole token: a barrier between steps where each product
+ * and each attention opened and closed a region of its own (five a layer). The small steps run
+ * on one thread (omp single), the products and attention on all. scratch holds at least
  * pc_attention_scratch(1, {n + 1}, ...) floats. */
 void pc_decode_layers(const pc_layer* L, int64_t nl, int fmt, float* h, float* x, float* qkv, float* q, float* att,
                       float* gu, float* act, const float* cos_, const float* sin_, int64_t hidden, int64_t H,
                       int64_t Hkv, int64_t D, int64_t inter, float eps, float scale, int64_t n, float* scratch) {
-    const int64_t G = H / Hkv, nqkv = (H + 2 * Hkv) * D, keys = n + 1;
-    for (int64_t l = 0; l < nl; l++) {
-        const pc_layer* y = L + l;
-        const int64_t kp = (int64_t)(intptr_t)y->k, vp = (int64_t)(intptr_t)y->v, hs = y->hs;
-        pc_rmsnorm(h, y->norm1, x, hidden, eps);
-        gemm(fmt, y->w[0], y->s[0], x, qkv, y->b[0], nqkv, hidden, 1, 0);
-        pc_rope_write(qkv, cos_, sin_, H, Hkv, D, q, y->k, y->v, hs, n);
-        pc_attention(1, q, 0, &kp, &vp, &hs, &keys, att, 0, Hkv, G, D, scale, scratch);
-        gemm(fmt, y->w[1], y->s[1], att, h, y->b[1], hidden, H * D, 1, 1);
-        pc_rmsnorm(h, y->norm2, x, hidden, eps);
-        gemm(fmt, y->w[2], y->s[2], x, gu, y->b[2], 2 * inter, hidden, 1, 0);
-        pc_silu_mul(gu, act, inter);
-        gemm(fmt, y->w[3], y->s[3], act, h, y->b[3], hidden, inter, 1, 1);
+    const int64_t G = H / Hkv, nqkv = (H + 2 * Hkv) * D, keys = n + 1, HD = H * D;
+    const int64_t widest = hidden > HD ? (hidden > inter ? hidden : inter) : (HD > inter ? HD : inter);
+    float* xr = fmt == 0 ? NULL : (float*)malloc(sizeof(float) * widest); /* X rounded for bf16/int8 W */
+    if (fmt != 0 && !xr) return;
+    int nt = pc_threads();
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        for (int64_t l = 0; l < nl; l++) {
+            const pc_layer* y = L + l;
+            const int64_t kp = (int64_t)(intptr_t)y->k, vp = (int64_t)(intptr_t)y->v, hs = y->hs;
+            #pragma omp single
+            {
+                pc_rmsnorm(h, y->norm1, x, hidden, eps);
+                gemm_x(fmt, x, xr, 1, hidden);
+            }
+            gemm_part(fmt, y->w[0], y->s[0], fmt == 0 ? x : xr, qkv, y->b[0], nqkv, hidden, 1, 0, t, T);
+            #pragma omp barrier
+            #pragma omp single
+            pc_rope_write(qkv, cos_, sin_, H, Hkv, D, q, y->k, y->v, hs, n);
+            attention_body(1, q, 0, &kp, &vp, &hs, &keys, att, 0, Hkv, G, D, scale, scratch);
+            #pragma omp single
+            gemm_x(fmt, att, xr, 1, HD);
+            gemm_part(fmt, y->w[1], y->s[1], fmt == 0 ? att : xr, h, y->b[1], hidden, HD, 1, 1, t, T);
+            #pragma omp barrier
+            #pragma omp single
+            {
+                pc_rmsnorm(h, y->norm2, x, hidden, eps);
+                gemm_x(fmt, x, xr, 1, hidden);
+            }
+            gemm_part(fmt, y->w[2], y->s[2], fmt == 0 ? x : xr, gu, y->b[2], 2 * inter, hidden, 1, 0, t, T);
+            #pragma omp barrier
+            #pragma omp single
+            {
+                pc_silu_mul(gu, act, inter);
+                gemm_x(fmt, act, xr, 1, inter);
+            }
+            gemm_part(fmt, y->w[3], y->s[3], fmt == 0 ? act : xr, h, y->b[3], hidden, inter, 1, 1, t, T);
+            #pragma omp barrier
+        }
     }
+    free(xr);
 }
