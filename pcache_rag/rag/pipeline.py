@@ -245,7 +245,7 @@ class CachedRAG:
         t0 = time.perf_counter()
         handles, prompt, recompute, sp, t_ret = prepare_answer(self, question, k, handles, params, gen)
         t_pre = time.perf_counter() - t0
-        out = self.pc.generate(prompt, recompute, sp)
+        out = self.pc.generate(prompt, recompute=recompute, params=sp)
         return RAGAnswer(out.text, handles, out, t_ret, t_pre + out.ttft_s)
 
     def stream(self, question: str | AnswerRequest, k: int | None = None, handles: list[ModuleHandle] | None = None,
@@ -253,7 +253,7 @@ class CachedRAG:
         """Text deltas of the answer (arguments as :meth:`answer`); the returned :class:`Generation`
         holds its output (tokens, cached and computed counts, TTFT) once exhausted."""
         _, prompt, recompute, sp, _ = prepare_answer(self, question, k, handles, params, gen)
-        return self.pc.stream(prompt, recompute, sp)
+        return self.pc.stream(prompt, recompute=recompute, params=sp)
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],
                      notes: list[str] | None = None, tenant: str | None = None, params: SamplingParams | None = None,
@@ -313,7 +313,7 @@ class CachedRAG:
         t_ret = time.perf_counter() - t0
         text = req.question + req.instruction
         fit_question(self, text, handles, req.sampling.max_new_tokens)
-        out = self.pc.generate(Parts([], self.full_prompt_ids(text, handles)), None, req.sampling)
+        out = self.pc.generate(Parts([], self.full_prompt_ids(text, handles)), params=req.sampling)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def close(self) -> None:
