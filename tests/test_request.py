@@ -80,3 +80,18 @@ def test_the_openai_edge_builds_the_request_once():
     assert text.question == "What is it?" and text.sampling.max_new_tokens == 3
     raw, _ = parse_completion({"model": "pcache-rag-plain", "prompt": "Q: x\nA:"}, SERVICE)
     assert raw.prompt == "Q: x\nA:" and raw.plain
+
+
+def test_the_service_still_takes_the_old_loose_arguments_for_one_release_with_a_warning():
+    from pcache_rag.serve.service import legacy_request
+
+    service = SimpleNamespace(sampling=lambda: SamplingParams(max_new_tokens=77))
+    with pytest.warns(DeprecationWarning, match="build an AnswerRequest"):
+        req = legacy_request(service, "submit", " Where? ", 2, history=[("user", "Hi")], max_new_tokens=5, seed=1)
+    assert (req.question, req.k, req.history, req.sampling) == ("Where?", 2, (("user", "Hi"),),
+                                                                SamplingParams(max_new_tokens=5, seed=1))
+    with pytest.warns(DeprecationWarning, match="submit_plain"):
+        plain = legacy_request(service, "submit_plain", messages=[("user", "hi")])
+    assert plain.plain and plain.sampling.max_new_tokens == 77
+    with pytest.warns(DeprecationWarning), pytest.raises(RequestError, match="limit is 16000"):
+        legacy_request(service, "submit", "x" * 16001)

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
@@ -34,7 +35,7 @@ from ..engine.watchdog import DEFAULT_STALL_S
 from ..engine.threads import release_pool
 from ..discovery import MIN_CHARS
 from ..rag.retrieval import conversation_context
-from ..request import AnswerRequest, SamplingParams
+from ..request import MAX_PROMPT_CHARS, MAX_QUESTION_CHARS, AnswerRequest, SamplingParams
 from .errors import Busy, RequestError
 from .uploads import Uploads
 
@@ -161,13 +162,22 @@ class AnswerService:
     def model_id(self) -> str:
         return self.rag.pc.model_name
 
-    def submit(self, req: AnswerRequest) -> Job:
+    def submit(self, req: AnswerRequest, *old, **old_kw) -> Job:
         """Queue ``req`` (call from the event loop; the edge built and checked it); raises
         :class:`Busy` at once when the queue is full rather than failing later. An empty index is
-        refused by the worker (:func:`_indexed`), before anything streams."""
+        refused by the worker (:func:`_indexed`), before anything streams. (A question string
+        with keywords, the form before 0.2, still works for one release, with a DeprecationWarning.)"""
         if not isinstance(req, AnswerRequest):
-            raise TypeError(f"submit takes an AnswerRequest, not {type(req).__name__}")
+            req = legacy_request(self, "submit", req, *old, **old_kw)
+        elif old or old_kw:
+            raise TypeError("an AnswerRequest carries its own settings: give them in it, not beside it")
         return self._enqueue(Job(req, asyncio.get_running_loop()))
+
+    def submit_plain(self, messages=None, prompt: str | None = None, tenant: str = "", **gen) -> Job:
+        """Deprecated (removed in the next release): ``submit(AnswerRequest(messages=...))`` or
+        ``submit(AnswerRequest(prompt=...))``."""
+        return self.submit(legacy_request(self, "submit_plain", None, messages=messages, prompt=prompt,
+                                          tenant=tenant, **gen))
 
     def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
         """Greedy decoding of ``max_new_tokens`` (this service's default answer length when None)."""
@@ -297,6 +307,22 @@ class AnswerService:
     def stats(self) -> dict:
         """What the page's cache panel shows (:func:`service_stats`)."""
         return service_stats(self)
+
+
+def legacy_request(service: AnswerService, name: str, question: str | None = None, k: int | None = None,
+                   compare: bool = False, history=None, instruction: str = "", tenant: str = "", messages=None,
+                   prompt: str | None = None, **gen) -> AnswerRequest:
+    """The :class:`AnswerRequest` that ``service.submit(question, ...)`` or ``submit_plain(...)`` (the
+    forms before 0.2) asked for, with a DeprecationWarning that names the new call."""
+    warnings.warn(f"AnswerService.{name}(...) with loose arguments is deprecated: build an AnswerRequest "
+                  "(pcache_rag.request) and call submit(request) (removed in the next release)",
+                  DeprecationWarning, stacklevel=3)
+    sampling = SamplingParams.of(service.sampling(), **gen)
+    if question is None:
+        return AnswerRequest(messages=None if messages is None else tuple(messages), prompt=prompt, sampling=sampling,
+                             tenant=tenant, max_chars=MAX_PROMPT_CHARS)
+    return AnswerRequest(question=question, k=k, compare=compare, history=tuple(history or ()), instruction=instruction,
+                         sampling=sampling, tenant=tenant, max_chars=MAX_QUESTION_CHARS)
 
 
 def open_job(service: AnswerService, job: Job) -> _Opened | None:
