@@ -30,8 +30,8 @@ LOOKALIKE = ("runs/2026-12-07-lookalike-330-reporting-checkpoint.json", "docs/ru
 #: the RAG default's TTFT on look-alike prompts with this CPU's instruction set and capped to AVX2
 DEFAULT_TTFT = ({"AVX-512 BF16": "runs/2026-12-07-default-ttft-avx512.json", "AVX2": "runs/2026-12-07-default-ttft-avx2.json"},
                 "docs/runs/2026-12-07-lookalike-default.md")
-DECODE = {"AVX-512": ("runs/2026-12-07-bench-decode-avx512.json", "docs/runs/2026-12-07-batch-step.md"),
-          "AVX2": ("runs/2026-12-07-bench-decode-avx2.json", "docs/runs/2026-12-07-batch-step.md")}
+DECODE = {"AVX-512": ("runs/2026-12-07-decode-layers-bench-decode-avx512.json", "docs/runs/2026-12-07-decode-layers.md"),
+          "AVX2": ("runs/2026-12-07-decode-layers-bench-decode-avx2.json", "docs/runs/2026-12-07-decode-layers.md")}
 #: eight concurrent ainvoke on one ChatPromptCache against the same eight one after another (issue 61)
 ASYNC = ("runs/2026-12-07-async-8.json", "docs/runs/2026-12-07-batch-step.md")
 AGENTS = ("runs/2026-12-07-agents.json", "docs/runs/2026-12-07-agents.md")
@@ -91,8 +91,10 @@ def rows() -> list[tuple[str, str, str]]:
         eight = next(t for t in bf16["together"] if t["answers"] == 8)
         out.append((f"decode, ms a token, {d['doc_tokens']:,}-token document, {isa} kernels",
                     f"stock `generate` {stock['ms_per_token']:.1f} · cached bf16 {bf16['ms_per_token']:.1f} "
-                    f"({bf16['ms_per_token'] / bf16['floor_ms']:.1f}x its weight-streaming floor) · beside "
-                    f"{d['busy']} busy processes {stock['busy_ms_per_token']:.0f} · {bf16['busy_ms_per_token']:.0f} "
+                    f"({bf16['ms_per_token'] / bf16['floor_ms']:.1f}x its weight-streaming floor"
+                    + (f" at {max(bf16['bandwidth_gb_s']):.0f} GB/s, read beside it" if "bandwidth_gb_s" in bf16 else "")
+                    + ") · beside "
+                    + f"{d['busy']} busy processes {stock['busy_ms_per_token']:.0f} · {bf16['busy_ms_per_token']:.0f} "
                     f"· 8 answers together {eight['ms_per_step']:.0f} ms a step",
                     link))
     a = _load(ASYNC[0])
