@@ -325,10 +325,12 @@ class FusedDecodeStep:
             self._readable(kb, vb, n)
             row.k, row.v, row.hs = kb.data_ptr(), vb.data_ptr(), kb.stride(0)
         hp, xp = self._h.data_ptr(), self._x.data_ptr()
-        lib.pc_decode_layers(plan, len(plan), kernels.FORMATS[self.fmt], hp, xp, self._qkv.data_ptr(),
-                             self._q.data_ptr(), self._att.data_ptr(), self._gu.data_ptr(), self._act.data_ptr(),
-                             self._cos.data_ptr(), self._sin.data_ptr(), self._h.numel(), H, Hkv, D, self.inter,
-                             self.eps, D ** -0.5, n, self._attn.scratch_for(n + 1))
+        rc = lib.pc_decode_layers(plan, len(plan), kernels.FORMATS[self.fmt], hp, xp, self._qkv.data_ptr(),
+                                  self._q.data_ptr(), self._att.data_ptr(), self._gu.data_ptr(),
+                                  self._act.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), self._h.numel(), H,
+                                  Hkv, D, self.inter, self.eps, D ** -0.5, n, self._attn.scratch_for(n + 1))
+        if rc != 0:
+            raise MemoryError("the decode step's kernels could not allocate their scratch (a few KB): out of memory")
         lib.pc_rmsnorm(hp, self.norm.data_ptr(), xp, self._h.numel(), self.eps)
         self.head.gemv.raw(xp, self._logits.data_ptr())  # type: ignore[union-attr]
 

@@ -797,14 +797,15 @@ typedef struct {
  * bits, in one parallel region for the whole token: a barrier between steps where each product
  * and each attention opened and closed a region of its own (five a layer). The small steps run
  * on one thread (omp single), the products and attention on all. scratch holds at least
- * pc_attention_scratch(1, {n + 1}, ...) floats. */
-void pc_decode_layers(const pc_layer* L, int64_t nl, int fmt, float* h, float* x, float* qkv, float* q, float* att,
-                      float* gu, float* act, const float* cos_, const float* sin_, int64_t hidden, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t inter, float eps, float scale, int64_t n, float* scratch) {
+ * pc_attention_scratch(1, {n + 1}, ...) floats. Returns 0, or -1 when it could not allocate its
+ * scratch (nothing computed). */
+int pc_decode_layers(const pc_layer* L, int64_t nl, int fmt, float* h, float* x, float* qkv, float* q, float* att,
+                     float* gu, float* act, const float* cos_, const float* sin_, int64_t hidden, int64_t H,
+                     int64_t Hkv, int64_t D, int64_t inter, float eps, float scale, int64_t n, float* scratch) {
     const int64_t G = H / Hkv, nqkv = (H + 2 * Hkv) * D, keys = n + 1, HD = H * D;
     const int64_t widest = hidden > HD ? (hidden > inter ? hidden : inter) : (HD > inter ? HD : inter);
     float* xr = fmt == 0 ? NULL : (float*)malloc(sizeof(float) * widest); /* X rounded for bf16/int8 W */
-    if (fmt != 0 && !xr) return;
+    if (fmt != 0 && !xr) return -1; /* nothing computed: the caller raises */
     int nt = pc_threads();
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -843,4 +844,5 @@ void pc_decode_layers(const pc_layer* L, int64_t nl, int fmt, float* h, float* x
         }
     }
     free(xr);
+    return 0;
 }

@@ -210,7 +210,8 @@ def _load(variant: str) -> ctypes.CDLL | None:
     lib.pc_silu_mul_rows.argtypes = [vp, vp, i64, i64]
     lib.pc_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, i32, vp, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64,
                                      i64, i64, i64, f32, f32, i64, vp]
-    for f in (lib.pc_decode_layers, lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
+    lib.pc_decode_layers.restype = i32
+    for f in (lib.pc_gemv_bf16, lib.pc_gemv_f32, lib.pc_gemv_int8, lib.pc_gemm_bf16, lib.pc_gemm_f32,
               lib.pc_gemm_int8, lib.pc_attention, lib.pc_rmsnorm, lib.pc_silu_mul, lib.pc_rmsnorm_rows,
               lib.pc_silu_mul_rows, lib.pc_rope_write):
         f.restype = None
