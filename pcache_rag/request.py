@@ -171,6 +171,12 @@ class AnswerRequest:
             raise TypeError(f"sampling must be a SamplingParams, not {type(self.sampling).__name__}")
 
     @property
+    def asked(self) -> str:
+        """What the prompt reads after the documents: the question, then the instruction (which
+        retrieval does not search for)."""
+        return (self.question or "") + self.instruction
+
+    @property
     def plain(self) -> bool:
         """Whether the plain model answers it as sent (no retrieval)."""
         return self.question is None

@@ -101,8 +101,6 @@ class Segments(list):
         self.tenant = tenant
 
 
-def sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             stop=None, grammar: str | None = None) -> SamplingParams:
-    """How to decode, from the frameworks' conventions (built once, at the connector's edge):
-    ``temperature`` 0 is greedy; ``grammar`` (:mod:`pcache_rag.grammar`) constrains the answer."""
-    return SamplingParams.from_frameworks(max_new_tokens, temperature, top_p, seed, stop, grammar)
+#: how to decode, from the frameworks' conventions (temperature 0 is greedy): the connectors build
+#: their SamplingParams with it, once
+sampling = SamplingParams.from_frameworks

@@ -398,9 +398,9 @@ FORMATS = {"fp32": 0, "bf16": 1, "int8": 2}  # kernels.c's gemm(fmt, ...)
 class Attention:
     """One new token's grouped-query attention, for one sequence or several at once, for a fixed
     geometry (``H`` key heads, ``G`` query heads each, head size ``D``), with its scratch:
-    :meth:`__call__` attends one sequence's queries over the first ``n`` rows of a layer's key
-    and value buffers (H, capacity, D); :meth:`many` attends M sequences' queries, each over its
-    own buffers, in one kernel call, each to the bits it gets alone."""
+    ``pc_decode_layers`` attends one sequence's queries with its scratch (:meth:`scratch_for`);
+    :meth:`many` attends M sequences' queries, each over its own buffers (H, capacity, D), in one
+    kernel call, each to the bits it gets alone."""
 
     def __init__(self, lib: ctypes.CDLL, H: int, G: int, D: int) -> None:
         if D % 16 or D > MAX_HEAD_DIM or G > MAX_GROUP:
@@ -424,11 +424,6 @@ class Attention:
                 or keys.shape[1] < n or keys.shape[2] != D or keys.stride(2) != 1 or keys.stride(1) != D):
             raise ValueError(f"attention buffers must be float32 (H={H}, >= {n}, D={D}) with contiguous rows, "
                              f"not {keys.dtype} {tuple(keys.shape)} strides {keys.stride()}")
-
-    def __call__(self, qp: int, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float, op: int) -> None:
-        """Attention of the queries at address ``qp`` (H, G, D) over rows ``< n`` of ``keys`` and
-        ``values`` (checked with :meth:`check` for this ``n``), written to ``op`` (H, G, D)."""
-        self.many(1, qp, 0, [(keys, values)], [n], scale, op, 0)
 
     def scratch_for(self, n: int) -> int:
         """The scratch's address, grown for one sequence's attention over ``n`` keys

@@ -311,9 +311,8 @@ class CachedRAG:
         if handles is None:
             handles = self._retrieve(req.question, self.k if req.k is None else req.k, prefetch=False)
         t_ret = time.perf_counter() - t0
-        text = req.question + req.instruction
-        fit_question(self, text, handles, req.sampling.max_new_tokens)
-        out = self.pc.generate(Parts([], self.full_prompt_ids(text, handles)), params=req.sampling)
+        fit_question(self, req.asked, handles, req.sampling.max_new_tokens)
+        out = self.pc.generate(Parts([], self.full_prompt_ids(req.asked, handles)), params=req.sampling)
         return RAGAnswer(out.text, handles, out, t_ret, t_ret + out.ttft_s)
 
     def close(self) -> None:
@@ -341,8 +340,7 @@ def prepare_answer(rag: CachedRAG, question: str | AnswerRequest, k: int | None,
     if handles is None:
         handles = rag._retrieve(req.question, rag.k if req.k is None else req.k)
     t_ret = time.perf_counter() - t0
-    question = req.question + req.instruction  # the instruction is read, not searched for
-    q_ids = fit_question(rag, question, handles, sp.max_new_tokens)
+    q_ids = fit_question(rag, req.asked, handles, sp.max_new_tokens)  # the instruction is read, not searched for
     calibration = rag.calibration[0]
     structured = sp.grammar is not None  # "auto" is each:1 for a structured answer
     settings = answer_settings(settings, rag.folder.recompute(rag._recompute_arg, calibration, structured),

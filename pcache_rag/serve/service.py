@@ -342,7 +342,7 @@ def open_job(service: AnswerService, job: Job) -> _Opened | None:
             # a client's own RAG prompt ("Context: ... Question: ..."): it retrieved already
             notes.append("the question carries documents this server knows: answered as sent, without "
                          "retrieval (they are read from the cache)")
-            messages = (*req.history, ("user", req.question + req.instruction))
+            messages = (*req.history, ("user", req.asked))
         if messages is not None or req.prompt is not None:  # the plain model: the prompt as sent
             stream = rag.stream_prompt(messages, req.prompt, notes, tenant=req.tenant, params=sp)
         else:
@@ -356,7 +356,7 @@ def open_job(service: AnswerService, job: Job) -> _Opened | None:
             handles = rag.retrieve(req.question, req.k, notes=notes, embedding=job.query_embedding,
                                    context=context)
             retrieve_s = time.perf_counter() - t0
-            stream = (rag.stream_turns(list(req.history), req.question + req.instruction, handles, notes,
+            stream = (rag.stream_turns(list(req.history), req.asked, handles, notes,
                                        tenant=req.tenant, params=sp)
                       if req.history
                       else rag.stream(req, handles=handles))
