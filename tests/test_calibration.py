@@ -42,13 +42,24 @@ def _dense(query, key, value, scaling, span=None):
     return (torch.softmax(s, dim=-1) @ v).transpose(1, 2)  # (B, q, H, Dv)
 
 
-@pytest.mark.parametrize("q,kv,groups", [(5, 40, 2), (1, 33, 3), (7, 7, 1), (4, 20, 1)])
-def test_split_equals_one_masked_softmax(q, kv, groups):
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize("q,kv,groups,batch", [(5, 40, 2, 2), (5, 40, 2, 1), (1, 33, 3, 1), (7, 7, 1, 1), (4, 20, 1, 2),
+                                               (4, 20, 3, 1)])
+def test_split_equals_one_masked_softmax(q, kv, groups, batch, one_call, monkeypatch):
+    """The split path, as one masked call (a small mask) and as unmasked calls merged by
+    log-sum-exp (ONE_CALL_MASK = 0), equals one dense causal softmax."""
+    if not one_call:
+        monkeypatch.setattr(A, "ONE_CALL_MASK", 0)
     torch.manual_seed(q * kv)
-    query, key, value = torch.randn(2, 2 * groups, q, 16), torch.randn(2, 2, kv, 16), torch.randn(2, 2, kv, 16)
-    got = A.split_attention(query, key, value, 0.25)
-    assert got.shape == (2, q, 2 * groups, 16)
+    query = torch.randn(batch, 2 * groups, q, 16)
+    key, value = torch.randn(batch, 2, kv, 16), torch.randn(batch, 2, kv, 16)
+    masks: dict = {}
+    got = A.split_attention(query, key, value, 0.25, masks=masks)
+    assert got.shape == (batch, q, 2 * groups, 16)
     assert (got.double() - _dense(query, key, value, 0.25)).abs().max() < 1e-5
+    assert len(masks) == (1 if one_call and batch == 1 and q > 1 else 0)  # built once, kept for the other layers
+    if masks:
+        assert (A.split_attention(query, key, value, 0.25, masks=masks) - got).abs().max() == 0
 
 
 def test_math_path_equals_the_flash_kernel():

@@ -154,5 +154,46 @@ def test_query_weights_stay_fp32_where_bf16_products_are_slow(smol_tok, monkeypa
     with caplog.at_level("INFO", logger="pcache_rag.engine.core"):
         pc = PromptCache(tiny_model("llama", len(smol_tok), seed=3), smol_tok, decode_weights="bf16",
                          query_weights="bf16")
-    assert pc.core.query_weights == "fp32" and not pc.prefiller.query_weights
+    assert pc.core.query_weights == "fp32, bf16 head" and not pc.prefiller.query_weights
     assert "fp32 kept, this CPU has no bf16 dot-product instructions" in caplog.text
+
+
+def test_without_bf16_products_only_the_first_tokens_head_reads_bf16(smol_tok, monkeypatch):
+    """On a CPU without bf16 dot products, ``query_weights="bf16"`` keeps every row over cached states
+    in fp32 but the output head's (one row, a product that streams its weights): the logits move by
+    bf16 rounding, a prompt with nothing cached stays bit for bit, and a request gets the same tokens
+    alone and in a batch beside a decoding one and a plain one."""
+    monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "sse4_2 avx avx2 fma f16c")
+    model = tiny_model("llama", len(smol_tok), seed=5)
+    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
+    pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
+                     query_weights="bf16")
+    assert (pc.core.query_weights, pq.core.query_weights) == ("fp32", "fp32, bf16 head")
+    parts, q = contiguous_parts(pc, TEXTS, " Which code opens the north door?")
+    heads: list[torch.dtype] = []  # the output head's rows, by the weights they read
+    real = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        if w.shape[0] == len(smol_tok):
+            heads.extend([w.dtype] * x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    for recompute in ("none", "match:1"):
+        want = pc.prefill(Parts(parts, q), recompute=recompute)
+        heads.clear()
+        got = pq.prefill(Parts(parts, q), recompute=recompute)
+        assert heads == [torch.bfloat16], heads
+        err = float((got.logits - want.logits).norm() / want.logits.norm())
+        assert 0 < err < 0.05, f"{recompute}: the head reads bf16 weights, and stays close ({err})"
+    ids = pc.safe.text(TEXTS[0] + TEXTS[1])
+    assert torch.equal(pq.prefill(Parts([], ids)).logits, pc.prefill(Parts([], ids)).logits)
+    reqs = [contiguous_parts(pq, TEXTS[i:] + TEXTS[:i], q) for i, q in
+            enumerate([" Which code opens it?", " What did the heron watch?"])]
+    prompts = [Parts(p, n) for p, n in reqs] + [Parts([], pq.safe.text(TEXTS[2] + " Where are the maps?"))]
+    heads.clear()
+    batch = pq.generate_batch(prompts, max_new_tokens=8)
+    assert heads.count(torch.float32) == 1, "in a batch, only the plain prompt's first token reads the fp32 head"
+    monkeypatch.setattr(torch.nn.functional, "linear", real)
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == pq.generate(prompt, max_new_tokens=8).token_ids

@@ -247,17 +247,20 @@ def test_batched_decoding_equals_one_at_a_time(smol_tok):
     assert len({tuple(b.token_ids) for b in batch}) > 1, "the prompts must not all agree, or the check is weak"
 
 
-@pytest.mark.parametrize("max_runs,block", [(8, 48), (0, 48), (0, 3)])
+@pytest.mark.parametrize("max_runs,block,one_call", [(8, 48, 1 << 20), (8, 48, 0), (0, 48, 1 << 20), (0, 3, 1 << 20)])
 @pytest.mark.parametrize("spec", ["epic:2", "blend:0.3", "focus:0.3", "match:1", "all", "rows"])
-def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, monkeypatch):
+def test_split_path_equals_the_masked_path(pc, spec, max_runs, block, one_call, monkeypatch):
     """Recomputed rows on the split path (no dense mask: pcache_sdpa reads the rows) give the
     logits of the dense-mask path they replace, to 1e-5, and the same decoded tokens; both
     for runs of consecutive rows (max_runs=8) and as a scattered selection (0), in one block
-    of rows or in blocks of 3 (each over the keys before it unmasked, and its own span masked)."""
+    of rows or in blocks of 3 (each over the keys before it unmasked, and its own span masked);
+    a run and the new tokens each in one call through a small mask (the default), or in
+    unmasked calls merged by log-sum-exp (ONE_CALL_MASK = 0)."""
     import pcache_rag.models.attention as attention
 
     monkeypatch.setattr(attention, "MAX_RUNS", max_runs)
     monkeypatch.setattr(attention, "SCATTERED_BLOCK", block)
+    monkeypatch.setattr(attention, "ONE_CALL_MASK", one_call)
 
     parts, new = _parts(pc)
     kvs = [kv for _, kv in parts]

@@ -88,9 +88,16 @@ class EngineCore:
                 log.warning("%s; RAG will encode chunks per slot instead of re-rotating", e)
                 self.adapter.rerotatable = False
         self.prefiller = Prefiller(self.adapter, self.workspace, Lexicon(tokenizer))
-        #: what the rows computed over cached states read: "bf16" (the decode weights) or "fp32"
+        #: what the rows computed over cached states read: "bf16" (the decode weights), "fp32", or
+        #: "fp32, bf16 head" (bf16 asked for on a CPU without bf16 dot products: only the first token's
+        #: output head, one row, reads them)
         self.query_weights = self._query_weights(query_weights, decode_weights, model)
         self.prefiller.query_weights = self.query_weights == "bf16"
+        # asked for, kept off for its speed on many rows: the head's one row still reads half the bytes
+        self.prefiller.head_weights = (self.query_weights == "fp32" and query_weights == "bf16"
+                                          and installed_format(model) == "bf16")
+        if self.prefiller.head_weights:
+            self.query_weights = "fp32, bf16 head"
         step, self.decode_path = None, "stock transformers step (fused_decode=False)"
         if fused_decode:
             # the format asked for, or one an earlier engine gave this model's layers (the batch step reads it)

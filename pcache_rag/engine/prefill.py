@@ -15,8 +15,10 @@ first unit.
 the rows computed over cached states (the new tokens and the recomputed rows) read the bf16
 copies of the linear weights that the decode step reads
 (:mod:`pcache_rag.models.fast_decode`): oneDNN's bf16 products run 2-3.6x faster than fp32's
-on a CPU with AVX-512 BF16 at 16-96 rows. A prompt with nothing cached is computed in the
-model's own weights: it is the baseline, and states that will be stored are never computed
+on a CPU with AVX-512 BF16 at 16-96 rows. Without bf16 dot products (an AVX2 CPU) they are 4-5x
+slower than fp32's there, and only the output head's one row reads them
+(:attr:`Prefiller.head_weights`: the first token's logits, a product that streams its weights).
+A prompt with nothing cached is computed in the model's own weights: it is the baseline, and states that will be stored are never computed
 in bf16 (the encoder does not come here).
 """
 
@@ -52,6 +54,9 @@ class Prefiller:
         #: the rows computed over cached states read the bf16 decode weights (module docstring);
         #: set by the engine's ``query_weights``, never without bf16 decode weights in the model
         self.query_weights = False
+        #: only the output head's row reads them (the first token's logits): ``query_weights="bf16"``
+        #: on a CPU whose bf16 products of many rows are slower than fp32's (module docstring)
+        self.head_weights = False
 
     @torch.no_grad()
     def full(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, last: int = 1) -> torch.Tensor:
@@ -107,8 +112,11 @@ class Prefiller:
             allowed = allowed.to(dev)
         key_pos = torch.cat(cached_pos + [pos_t]).to(dev) if adapter.needs_key_positions and not plain else None
         t2 = time.perf_counter()
-        rows_in_bf16 = small_weights() if self.query_weights and not plain else contextlib.nullcontext()
-        fwd = Forward(span=span, rec=rec) if span is not None or rec is not None else None  # else a plain forward
+        if plain or not (self.query_weights or self.head_weights):
+            rows_in_bf16: Any = contextlib.nullcontext()
+        else:
+            rows_in_bf16 = small_weights(None) if self.query_weights else small_weights(0, head=1)  # the head's row
+        fwd = None if plain else Forward(span=span, rec=rec)  # a plain forward is a stock one
         with rows_in_bf16:
             try:
                 logits = adapter.forward(ids_t.to(dev), pos_t.to(dev), ws.cache(), allowed, key_pos, fwd=fwd)[-1]

@@ -132,8 +132,12 @@ class StepRunner:
             return
         # the leading rows read the decode weights: the generated tokens, and with the engine's
         # query weights the chunks computed over cached states (as a solo prefill computes them)
-        small = len(live) + (sum(len(c) for _, c in over_cache) if self.core.prefiller.query_weights else 0)
-        logits = ragged_forward(self.core, seqs, small)  # (B, vocab)
+        pf = self.core.prefiller
+        small = len(live) + (sum(len(c) for _, c in over_cache) if pf.query_weights else 0)
+        # the head's rows (each sequence's last token): the generated ones, and those over cached states
+        # where a solo prefill reads the decode weights for its head; never a prompt with nothing cached
+        head = len(live) + (len(over_cache) if pf.query_weights or pf.head_weights else 0)
+        logits = ragged_forward(self.core, seqs, small, head)  # (B, vocab)
         B = len(seqs)
         decoding = len(live)
         batch.counts["steps"] += 1
@@ -223,10 +227,11 @@ def fused_forward(core: EngineCore, reqs: list[Request]) -> torch.Tensor:
                      [r.rows_view for r in reqs])
 
 
-def ragged_forward(core: EngineCore, seqs: list, small: int) -> torch.Tensor:
+def ragged_forward(core: EngineCore, seqs: list, small: int, head: int | None = None) -> torch.Tensor:
     """One forward of the model over ``seqs`` (``(request, token ids)`` each: a generated token,
     or a chunk of a prompt), each over its own rows (:class:`RaggedStep`); the logits (B, vocab)
-    at each sequence's last token. The first ``small`` token rows read the decode weights, if any."""
+    at each sequence's last token. The first ``small`` token rows read the decode weights, if any, and
+    the first ``head`` rows of the output head (None: as many as ``small``)."""
     dev = core.adapter.device
     kvs = [r.kv for r, _ in seqs]
     step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]
@@ -247,7 +252,7 @@ def ragged_forward(core: EngineCore, seqs: list, small: int) -> torch.Tensor:
     pos = torch.tensor([p for r, chunk in seqs for p in range(r.next_pos, r.next_pos + len(chunk))],
                        dtype=torch.long, device=dev)
     ends = torch.tensor(list(itertools.accumulate(step.counts)), dtype=torch.long, device=dev) - 1
-    with generated_rows(small):
+    with generated_rows(small, head):
         logits = core.adapter.forward(ids, pos, cache, None, None, logits_to_keep=ends,
                                       fwd=Forward(step=step))  # (B, vocab)
     if step.calls == 0:

@@ -16,6 +16,13 @@ softmaxes over each set). On CPU the pieces run on PyTorch's flash kernel, which
 the LSE (``aten._scaled_dot_product_flash_attention_for_cpu``); elsewhere on a float32
 math path.
 
+**One call where the mask is small.** Where a block of ``q`` query rows over ``kv`` keys needs
+at most :data:`ONE_CALL_MASK` mask elements (``G*q x kv``), the unmasked range and the causal block
+are one flash call with an additive mask that is zero but over the block's upper triangle (and
+over a skipped range of keys): a recomputing forward's few dozen rows make ~4 such calls a layer,
+and the second call and the log-sum-exp merge cost more than the mask (~20-25% of each call on this
+CPU). The masks are built once a forward and kept on its :class:`Forward` for all its layers.
+
 **Recomputed rows** (:func:`recompute_attention`) ride on the split too, when a
 :class:`Forward` names them (``rec``): the rows' fresh keys replace their stale ones in place,
 runs of consecutive rows attend to the cache before them unmasked and to themselves causally, and
@@ -56,7 +63,7 @@ the caller's model (no record) attends as stock attention does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -108,13 +115,13 @@ def pcache_sdpa(
         probe.add(query, key, attention_mask, scaling)
     if attention_mask is None and rec is not None:
         fwd.recomputed_calls += 1  # type: ignore[union-attr]
-        return recompute_attention(query, key, value, scaling, rec), None
+        return recompute_attention(query, key, value, scaling, rec, fwd.masks), None  # type: ignore[union-attr]
     if attention_mask is None and (cal is not None or q < kv and q > 1):
         if q > kv:
             raise ValueError(f"{NAME}: a query of {q} tokens over {kv} keys")
         if cal is not None:
             fwd.calibrated_calls += 1  # type: ignore[union-attr]
-        return split_attention(query, key, value, scaling, cal), None
+        return split_attention(query, key, value, scaling, cal, fwd.masks if fwd is not None else None), None
     if cal is not None:
         raise ValueError(f"{NAME}: calibrated attention needs the split path (no mask); this forward has one")
     if attention_mask is None:
@@ -274,10 +281,14 @@ def split_attention(
     value: torch.Tensor,  # (B, H_kv, kv, Dv)
     scaling: float | None,
     span: CalibratedSpan | None = None,
+    masks: dict | None = None,
 ) -> torch.Tensor:
     """Each query row attends to every key before the query block and causally inside it,
-    with ``span``'s keys calibrated; merged by log-sum-exp. Returns (B, q, H, Dv)."""
+    with ``span``'s keys calibrated; merged by log-sum-exp (or, with no span and a small mask, one
+    masked call: :func:`_tail_causal`; ``masks``: a forward's memo of them). Returns (B, q, H, Dv)."""
     q = query.shape[2]
+    if span is None and _one_call(query, key):
+        return _tail_causal(query, key, value, scaling, masks=masks)
     before = key.shape[2] - q
     return _split(query, key[:, :, :before], value[:, :, :before], key[:, :, before:], value[:, :, before:],
                   scaling, span)
@@ -289,6 +300,7 @@ def recompute_attention(
     value: torch.Tensor,  # (B, H_kv, C + n + q, Dv)
     scaling: float | None,
     rec: RecomputedRows,
+    masks: dict | None = None,
 ) -> torch.Tensor:
     """Exactly :func:`pcache_rag.recompute.recompute_mask`'s attention, without its dense mask.
 
@@ -298,7 +310,8 @@ def recompute_attention(
     attends to the cache before it unmasked and to itself causally (the whole cache, for
     ``all``: one causal pass); more than :data:`MAX_RUNS` runs (a scattered selection) attend
     in blocks of rows instead, each with a small mask (:func:`_scattered_rows`). The new tokens attend to the
-    whole cache unmasked and to themselves causally. Every piece is merged by log-sum-exp.
+    whole cache unmasked and to themselves causally. Every piece is merged by log-sum-exp, or is one
+    masked call where its mask is small (:func:`_tail_causal`; ``masks``: the forward's memo).
     Returns (B, n + q, H, Dv)."""
     rows, C = rec.rows, rec.C
     n = rows.shape[0]
@@ -310,13 +323,19 @@ def recompute_attention(
         outs, i = [], 0
         for a, b in runs:  # query rows i .. i + (b - a) are cache rows a .. b
             m = b - a
-            outs.append(_split(query[:, :, i : i + m], kc[:, :, :a], vc[:, :, :a], kc[:, :, a:b], vc[:, :, a:b],
-                               scaling, None))
+            qr = query[:, :, i : i + m]
+            if _one_call(qr, kc[:, :, :b]):  # keys [0, b): the last m are the run's own
+                outs.append(_tail_causal(qr, kc[:, :, :b], vc[:, :, :b], scaling, masks=masks))
+            else:
+                outs.append(_split(qr, kc[:, :, :a], vc[:, :, :a], kc[:, :, a:b], vc[:, :, a:b], scaling, None))
             i += m
         rows_out = torch.cat(outs, dim=1)  # (B, n, H, Dv)
     else:
         rows_out = _scattered_rows(query[:, :, :n], kc, vc, rows, rec.host, scaling)
-    new_out = _split(query[:, :, n:], kc, vc, key[:, :, C + n :], value[:, :, C + n :], scaling, None)
+    if _one_call(query[:, :, n:], key):  # the n fresh rows after the cache are already in it: skipped
+        new_out = _tail_causal(query[:, :, n:], key, value, scaling, skip=(C, C + n), masks=masks)
+    else:
+        new_out = _split(query[:, :, n:], kc, vc, key[:, :, C + n :], value[:, :, C + n :], scaling, None)
     return torch.cat([rows_out.to(new_out.dtype), new_out], dim=1).contiguous()  # (B, n + q, H, Dv)
 
 
@@ -358,6 +377,48 @@ def _scattered_rows(
             o = (w[0] * o0.float() + w[1] * o.float()).to(query.dtype)
         outs.append(o.reshape(B, Hkv, G, m, -1))
     return torch.cat(outs, dim=3).reshape(B, H, n, -1).transpose(1, 2)  # (B, n, H, Dv)
+
+
+#: the most mask elements (``G*q x kv``, fp32: 4 MB) a block of query rows attends through in one
+#: call (:func:`_tail_causal`); a larger block takes the split's unmasked calls and merge
+ONE_CALL_MASK = 1 << 20
+
+
+def _one_call(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether ``query`` (B, H, q, D), the last ``q`` of ``key``'s rows, attends in one masked call."""
+    B, H, q, _ = query.shape
+    return B == 1 and 1 < q <= key.shape[2] and (H // key.shape[1]) * q * key.shape[2] <= ONE_CALL_MASK
+
+
+def _tail_causal(
+    query: torch.Tensor,  # (1, H, q, D): the last q of the keys' tokens
+    key: torch.Tensor,  # (1, H_kv, kv, D)
+    value: torch.Tensor,  # (1, H_kv, kv, Dv)
+    scaling: float | None,
+    skip: tuple[int, int] = (0, 0),
+    masks: dict | None = None,
+) -> torch.Tensor:
+    """Each query row sees every key before the block (but the ``skip`` range ``[s, e)``) and the
+    block causally, in one flash call: the query heads of a group folded into the rows (keys read
+    in place), and an additive mask ``(G*q, kv)`` that is ``-inf`` over the block's upper triangle
+    and the skipped range. ``masks`` keeps each mask for the forward's other layers.
+    Returns (1, q, H, Dv)."""
+    B, H, q, D = query.shape
+    Hkv, kv = key.shape[1], key.shape[2]
+    G = H // Hkv
+    ident = (G, q, kv, skip, query.dtype, query.device)
+    mask = masks.get(ident) if masks is not None else None
+    if mask is None:
+        mask = torch.zeros(q, kv, dtype=query.dtype, device=query.device)
+        mask[:, kv - q :].masked_fill_(torch.ones(q, q, dtype=torch.bool, device=query.device).triu_(1),
+                                       float("-inf"))
+        mask[:, skip[0] : skip[1]] = float("-inf")
+        mask = mask.repeat(G, 1)  # rows ordered (group member, token), as the folded query's
+        if masks is not None:
+            masks[ident] = mask
+    sc = scaling if scaling is not None else D**-0.5
+    out, _ = _attend(query.reshape(B, Hkv, G * q, D), key, value, sc, False, mask)
+    return out.reshape(B, H, q, -1).transpose(1, 2).contiguous()  # (1, q, H, Dv)
 
 
 def _split(
@@ -537,5 +598,7 @@ class Forward:
     positions: Positions | None = None
     calibrated_calls: int = 0
     recomputed_calls: int = 0
+    #: the additive masks its layers attend through (:func:`_tail_causal`), built by the first layer
+    masks: dict = field(default_factory=dict)
 
 AttentionInterface.register(NAME, pcache_sdpa)
