@@ -97,6 +97,13 @@ def test_hybrid_finds_the_exact_code_and_follows_commits(smol, tmp_path, corpus,
     rag.ingest([corpus], progress=False, encode="lazy")
     top = rag.retrieve(q, k=1)[0]
     assert top.source.endswith("code.txt") and top.metadata["bm25"] > 0 and rag.retrieval == "hybrid"
+    # a request checked at the edge (the server's) brings its own question and k
+    from pcache_rag.request import AnswerRequest
+
+    req = AnswerRequest(question=q, k=2)
+    assert [h.id for h in rag.retrieve(req)] == [h.id for h in rag.retrieve(q, k=2)]
+    with pytest.raises(ValueError, match="give k in it"):
+        rag.retrieve(req, k=1)
     # this process's own ingest: the new file is searchable at once
     (corpus / "late.txt").write_text("Inventory number ZZ-0099-KL belongs to the harbour office.")
     rag.ingest([corpus], progress=False, encode="lazy")

@@ -204,16 +204,17 @@ class CachedRAG:
 
     # ------------------------------------------------------------------ retrieve and answer
 
-    def retrieve(self, question: str, k: int | None = None, prefetch: bool = True,
+    def retrieve(self, question: str | AnswerRequest, k: int | None = None, prefetch: bool = True,
                  notes: list[str] | None = None, embedding: list[float] | None = None,
                  context: Sequence[str] = ()) -> list[ModuleHandle]:
         """The ``k`` closest chunks as handles, best first; their states start moving to the fastest tier at once
         (``prefetch``). Sees every ingest committed by any process (:meth:`refresh`); what cannot be used is said
         in ``notes`` (when given) and the log. ``embedding``: the question's vector, if the caller has it.
         ``context``: the conversation's earlier texts, most recent first (``conversation_context(turns)``): a
-        follow-up is looked up with them (:func:`~pcache_rag.rag.retrieval.with_context`)."""
-        _check_question(question)
-        return self._retrieve(question, self.k if k is None else _check_k(k), prefetch, notes, embedding, context)
+        follow-up is looked up with them (:func:`~pcache_rag.rag.retrieval.with_context`). An
+        :class:`~pcache_rag.request.AnswerRequest` (checked where it was built) brings its question and ``k``."""
+        q, k = _question_and_k(question, k)
+        return self._retrieve(q, self.k if k is None else k, prefetch, notes, embedding, context)
 
     def _retrieve(self, question: str, k: int, prefetch: bool = True, notes: list[str] | None = None,
                   embedding: list[float] | None = None, context: Sequence[str] = ()) -> list[ModuleHandle]:
@@ -360,6 +361,18 @@ def as_request(question: str | AnswerRequest, k: int | None, params: SamplingPar
             raise ValueError("this AnswerRequest is a plain prompt: CachedRAG.stream_prompt answers it")
         return question
     return AnswerRequest(question=question, k=None if k is None else _check_k(k), sampling=SamplingParams.of(params, **gen))
+
+
+def _question_and_k(question: str | AnswerRequest, k: int | None) -> tuple[str, int | None]:
+    """A retrieval's question and ``k``: an :class:`AnswerRequest`'s own (checked where it was built,
+    not again), or the two given, checked here."""
+    if isinstance(question, AnswerRequest):
+        if k is not None or question.question is None:
+            raise ValueError("retrieve takes an AnswerRequest's own question and k: "
+                             + ("give k in it, not beside it" if k is not None else "this one is a plain prompt"))
+        return question.question, question.k
+    _check_question(question)
+    return question, None if k is None else _check_k(k)
 
 
 def _check_k(k) -> int:

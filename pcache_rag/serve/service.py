@@ -353,8 +353,7 @@ def open_job(service: AnswerService, job: Job) -> _Opened | None:
             context = conversation_context(list(req.history))  # a follow-up is looked up with what came before
             if context:
                 notes.append(f"retrieval also read {len(context)} earlier message(s) of the conversation")
-            handles = rag.retrieve(req.question, req.k, notes=notes, embedding=job.query_embedding,
-                                   context=context)
+            handles = rag.retrieve(req, notes=notes, embedding=job.query_embedding, context=context)  # checked at the edge
             retrieve_s = time.perf_counter() - t0
             stream = (rag.stream_turns(list(req.history), req.asked, handles, notes,
                                        tenant=req.tenant, params=sp)
