@@ -115,6 +115,44 @@ def test_alibi_override_matches_stock_on_contiguous_positions(fam, tok):
     assert torch.equal(stock, after), "outside an adapter call the hooks change nothing"
 
 
+@pytest.mark.parametrize("fam", ["bloom", "mpt"])
+def test_a_stock_forward_in_another_thread_during_an_alibi_forward_is_stock(fam, tok):
+    """The adapter's bias and mask are its own forward's, by thread: a stock forward of the same
+    model that runs in another thread while an adapter forward is between its blocks (here: run
+    from the adapter's first block, in a second thread) computes stock logits, and the adapter's
+    own forward still reads the gapped positions it was given."""
+    import threading
+
+    from transformers.cache_utils import DynamicCache
+
+    model = tiny_model(fam, len(tok))
+    ids = torch.tensor(tok("A sentence of a few words for the check.")["input_ids"])
+    gapped = torch.cat([torch.arange(4), torch.arange(4, len(ids)) + 9])  # a gap: not stock's positions
+    ad = adapter_for(model)
+    with torch.no_grad():
+        stock = model(input_ids=ids[None]).logits[0, -1]
+        alone = ad.forward(ids, gapped, DynamicCache(), None, gapped)[-1]
+    seen: list[torch.Tensor] = []
+    started = threading.Event()
+
+    def beside(module, args, kwargs):
+        if not started.is_set():  # once, while the adapter's forward is in its first block
+            started.set()
+            t = threading.Thread(target=lambda: seen.append(model(input_ids=ids[None]).logits[0, -1].detach()))
+            t.start()
+            t.join(60)
+        return None
+
+    h = ad.blocks[0].register_forward_pre_hook(beside, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            during = ad.forward(ids, gapped, DynamicCache(), None, gapped)[-1]
+    finally:
+        h.remove()
+    assert torch.equal(seen[0], stock), "the other thread's forward is stock"
+    assert torch.equal(during, alone) and (alone - stock).abs().max() > 1e-4, "the gap is read, by its own thread"
+
+
 def test_rope_rerotation_is_exact(tok):
     model = tiny_model("llama", len(tok))
     pc = PromptCache(model, tok, store_dtype=None)

@@ -6,7 +6,7 @@ This adapter replaces exactly that piece: a forward pre-hook on each block
 swaps the block's ``alibi`` / ``position_bias`` (and mask) arguments for ones
 built from the positions of the keys. The slopes are read from the stock
 builders, so they match the model's own. Outside an adapter call the hooks do
-nothing and the model behaves as stock.
+nothing and the model behaves as stock, in any other thread too.
 
 The bias is ``slope * (key_pos - max_key_pos)``: softmax ignores a constant per
 query row, so this equals ALiBi's ``-slope * (query_pos - key_pos)`` for every
@@ -14,6 +14,8 @@ attended key and stays small in low precision.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -42,7 +44,10 @@ class AlibiAdapter(Adapter):
             # (heads, 1, 2) holding slope * [-1, 0]
             self.slopes = -tr.build_mpt_alibi_tensor(n_heads, 2)[:, 0, 0].float().clone()
             self.blocks, self.bias_arg, self.mask_format = tr.blocks, "position_bias", "bool_inverted"
-        self._ctx: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the bias and mask of each adapter forward in progress, by the thread that runs it: the
+        #: blocks run in the caller's thread, and a stock forward of the model in another thread at the
+        #: same time finds nothing here (BLOOM's and MPT's blocks take no extra keywords to carry it)
+        self._ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [b.register_forward_pre_hook(self._hook, with_kwargs=True) for b in self.blocks]
 
     def move(self, kv, delta: int):
@@ -53,9 +58,10 @@ class AlibiAdapter(Adapter):
         return int(getattr(self.config, "max_seq_len", 0) or 1 << 20)
 
     def _hook(self, module, args, kwargs):
-        if self._ctx is None:
+        ctx = self._ctx.get(threading.get_ident())
+        if ctx is None:  # a stock forward
             return None
-        bias, mask = self._ctx
+        bias, mask = ctx
         kwargs[self.bias_arg] = bias
         kwargs["attention_mask"] = mask
         return args, kwargs
@@ -73,11 +79,12 @@ class AlibiAdapter(Adapter):
         kp = key_positions.to(torch.float32)
         rel = (kp - kp.max())[None, None, :]  # (1, 1, kv)
         bias = (self.slopes.to(kp.device)[:, None, None] * rel).to(self.dtype)  # (heads, 1, kv)
-        self._ctx = (bias, self.mask(allowed))
+        me = threading.get_ident()
+        self._ctx[me] = (bias, self.mask(allowed))
         try:
             out = self.model(
                 input_ids=input_ids[None], cache=cache, use_cache=True, logits_to_keep=logits_to_keep
             )
         finally:
-            self._ctx = None
+            del self._ctx[me]
         return out.logits[0]
