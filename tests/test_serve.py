@@ -567,9 +567,9 @@ def test_waiting_questions_are_opened_together_with_one_embedding_call(served, m
         calls.append(list(texts))
         return embed(texts)
 
-    def retrieve_spy(question, k=None, prefetch=True, notes=None, embedding=None, context=()):
-        vectors[question] = embedding is not None
-        return retrieve(question, k, prefetch, notes, embedding, context)
+    def retrieve_spy(req, k=None, prefetch=True, notes=None, embedding=None, context=()):
+        vectors[req.question] = embedding is not None  # the server passes the request its edge built
+        return retrieve(req, k, prefetch, notes, embedding, context)
 
     monkeypatch.setattr(rag.embedder, "embed", embed_spy)
     monkeypatch.setattr(rag, "retrieve", retrieve_spy)
