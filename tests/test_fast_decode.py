@@ -93,13 +93,20 @@ def bf16_fast(monkeypatch):
     monkeypatch.setattr("pcache_rag.engine.core.slow_bf16_products", lambda device: "")
 
 
-def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok, bf16_fast):
-    """``query_weights="bf16"``: a cached prompt's new and recomputed rows read the bf16 decode
-    weights; a prompt with nothing cached, and the states an engine encodes, stay fp32 bit for bit."""
+def _fp32_and_bf16_query_engines(smol_tok):
+    """Two engines on one tiny model with bf16 decode weights: query weights as asked by default
+    (fp32), and ``query_weights="bf16"``."""
     model = tiny_model("llama", len(smol_tok), seed=5)
     pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
     pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
                      query_weights="bf16")
+    return pc, pq
+
+
+def test_query_weights_compute_only_rows_over_cached_states_in_bf16(smol_tok, bf16_fast):
+    """``query_weights="bf16"``: a cached prompt's new and recomputed rows read the bf16 decode
+    weights; a prompt with nothing cached, and the states an engine encodes, stay fp32 bit for bit."""
+    pc, pq = _fp32_and_bf16_query_engines(smol_tok)
     assert (pc.core.query_weights, pq.core.query_weights) == ("fp32", "bf16")
     parts, q = contiguous_parts(pc, TEXTS, " Which code opens the north door?")
     for recompute in ("none", "match:1"):
@@ -164,10 +171,7 @@ def test_without_bf16_products_only_the_first_tokens_head_reads_bf16(smol_tok, m
     bf16 rounding, a prompt with nothing cached stays bit for bit, and a request gets the same tokens
     alone and in a batch beside a decoding one and a plain one."""
     monkeypatch.setattr("pcache_rag.models.kernels.cpu_flags", lambda: "sse4_2 avx avx2 fma f16c")
-    model = tiny_model("llama", len(smol_tok), seed=5)
-    pc = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16")
-    pq = PromptCache(model, smol_tok, encoding="isolated", store_dtype=None, decode_weights="bf16",
-                     query_weights="bf16")
+    pc, pq = _fp32_and_bf16_query_engines(smol_tok)
     assert (pc.core.query_weights, pq.core.query_weights) == ("fp32", "fp32, bf16 head")
     parts, q = contiguous_parts(pc, TEXTS, " Which code opens the north door?")
     heads: list[torch.dtype] = []  # the output head's rows, by the weights they read
