@@ -93,11 +93,7 @@ class EngineCore:
         #: output head, one row, reads them)
         self.query_weights = self._query_weights(query_weights, decode_weights, model)
         self.prefiller.query_weights = self.query_weights == "bf16"
-        # asked for, kept off for its speed on many rows: the head's one row still reads half the bytes
-        self.prefiller.head_weights = (self.query_weights == "fp32" and query_weights == "bf16"
-                                          and installed_format(model) == "bf16")
-        if self.prefiller.head_weights:
-            self.query_weights = "fp32, bf16 head"
+        self.prefiller.head_weights = self.query_weights == HEAD_ONLY
         step, self.decode_path = None, "stock transformers step (fused_decode=False)"
         if fused_decode:
             # the format asked for, or one an earlier engine gave this model's layers (the batch step reads it)
@@ -118,7 +114,8 @@ class EngineCore:
     def _query_weights(self, asked: str | None, decode_weights: str | None, model: torch.nn.Module) -> str:
         """The weights of the rows computed over cached states: ``asked`` checked against the
         decode weights the model carries (refused by name without bf16 ones; "fp32" kept, with a
-        warning, where the bf16 decode weights were refused at load)."""
+        warning, where the bf16 decode weights were refused at load; :data:`HEAD_ONLY` on a CPU
+        whose bf16 products of many rows are slow)."""
         if asked in (None, "fp32"):
             return "fp32"
         if asked != "bf16":
@@ -132,9 +129,10 @@ class EngineCore:
                         self.decode_report.refused if self.decode_report is not None else "not installed")
             return "fp32"
         why = slow_bf16_products(self.adapter.device)
-        if why:  # the exact path is kept where bf16 would buy nothing: said, not warned (the RAG default asks)
-            log.info("query_weights='bf16': fp32 kept, %s", why)
-            return "fp32"
+        if why:  # fp32 rows where bf16 products of many rows are slower: said, not warned (the RAG default asks);
+            # the head's one row streams its weights, so it still reads the bf16 copy (half the bytes)
+            log.info("query_weights='bf16': fp32 kept, %s; the first token's output head reads bf16", why)
+            return HEAD_ONLY
         return "bf16"
 
     # ------------------------------------------------------------------ prefill
@@ -178,6 +176,11 @@ class EngineCore:
     def batch_refusal(self) -> str:
         """Why this model cannot decode in a batch ('' when it can)."""
         return batch_refusal(self.adapter)
+
+
+#: ``query_weights`` where bf16 was asked for on a CPU without bf16 dot products: the rows stay fp32,
+#: and only the first token's output head (one row) reads the bf16 copy
+HEAD_ONLY = "fp32, bf16 head"
 
 
 def slow_bf16_products(device: torch.device) -> str:

@@ -227,11 +227,11 @@ def fused_forward(core: EngineCore, reqs: list[Request]) -> torch.Tensor:
                      [r.rows_view for r in reqs])
 
 
-def ragged_forward(core: EngineCore, seqs: list, small: int, head: int | None = None) -> torch.Tensor:
+def ragged_forward(core: EngineCore, seqs: list, small: int, head: int) -> torch.Tensor:
     """One forward of the model over ``seqs`` (``(request, token ids)`` each: a generated token,
     or a chunk of a prompt), each over its own rows (:class:`RaggedStep`); the logits (B, vocab)
     at each sequence's last token. The first ``small`` token rows read the decode weights, if any, and
-    the first ``head`` rows of the output head (None: as many as ``small``)."""
+    the first ``head`` rows of the output head."""
     dev = core.adapter.device
     kvs = [r.kv for r, _ in seqs]
     step = RaggedStep([kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs],  # type: ignore[union-attr]

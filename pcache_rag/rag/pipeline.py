@@ -214,11 +214,12 @@ class CachedRAG:
         follow-up is looked up with them (:func:`~pcache_rag.rag.retrieval.with_context`). An
         :class:`~pcache_rag.request.AnswerRequest` (checked where it was built) brings its question and ``k``."""
         q, k = _question_and_k(question, k)
-        return self._retrieve(q, self.k if k is None else k, prefetch, notes, embedding, context)
+        return self._retrieve(q, k, prefetch, notes, embedding, context)
 
-    def _retrieve(self, question: str, k: int, prefetch: bool = True, notes: list[str] | None = None,
+    def _retrieve(self, question: str, k: int | None, prefetch: bool = True, notes: list[str] | None = None,
                   embedding: list[float] | None = None, context: Sequence[str] = ()) -> list[ModuleHandle]:
-        """:meth:`retrieve` of a question and ``k`` already checked."""
+        """:meth:`retrieve` of a question and ``k`` already checked (None: the index's own ``k``)."""
+        k = self.k if k is None else k
         self.upkeep.refresh()
         hits = self.retriever.hits(question, k, embedding, context)
         if self.retriever.stale(hits):  # chunks that vanished since chroma's vector index was loaded: look again
@@ -310,7 +311,7 @@ class CachedRAG:
         req = as_request(question, k, params, gen)
         assert req.question is not None
         if handles is None:
-            handles = self._retrieve(req.question, self.k if req.k is None else req.k, prefetch=False)
+            handles = self._retrieve(req.question, req.k, prefetch=False)
         t_ret = time.perf_counter() - t0
         fit_question(self, req.asked, handles, req.sampling.max_new_tokens)
         out = self.pc.generate(Parts([], self.full_prompt_ids(req.asked, handles)), params=req.sampling)
@@ -339,7 +340,7 @@ def prepare_answer(rag: CachedRAG, question: str | AnswerRequest, k: int | None,
     assert req.question is not None
     sp = req.sampling
     if handles is None:
-        handles = rag._retrieve(req.question, rag.k if req.k is None else req.k)
+        handles = rag._retrieve(req.question, req.k)
     t_ret = time.perf_counter() - t0
     q_ids = fit_question(rag, req.asked, handles, sp.max_new_tokens)  # the instruction is read, not searched for
     calibration = rag.calibration[0]
