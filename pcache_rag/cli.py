@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-cache", action="store_true", help="full prefill of the retrieved text instead")
     q.add_argument("--compare", action="store_true", help="also run full prefill and print both TTFTs")
     q.add_argument("--recompute", default=None, metavar="POLICY",
-                   help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, each:N, all "
+                   help="recompute context tokens for quality: none, epic:K, blend:R, focus:R, match:N, each:N, alike:N, all "
                         "(default: the RAG default, each:1, unless the index is calibrated)")
     q.set_defaults(fn=cmd_ask)
 

@@ -35,6 +35,15 @@ on top of the cached states recovers much of the lost quality:
   brings several chunks that state the same kind of fact about other subjects (a catalogue,
   a policy manual's sections), each chunk's own sentence of that shape is read in context,
   not the asked one alone (issue 56). At most ``N`` x 64 tokens a unit.
+* ``alike:N``: ``each:N``'s sentences that look alike: only those sharing at least half as many
+  of the question's words as the best-matching sentence of the prompt (rounded up). A filler line
+  that shares one word ("time", "code") with a question naming four is not a look-alike of the
+  fact it asks about, and reading it again costs rows without telling facts apart (issue 56).
+  Where the best sentence shares one or two words, it is ``each:N``.
+* ``each:N@U`` / ``alike:N@U``: the same, from the ``U``-th unit on (the first unit is 0; ``U = 1``,
+  every unit after the first, when no ``@`` is given). In ``CachedRAG``'s order the unit after the
+  preamble holds the weakest retrieved chunk, and its states were encoded at that slot after the
+  learned prefix, the nearest of all to what full prefill computes there: ``@2`` leaves it as cached.
 * ``contrast:N``: ``match:N``'s sentences whole, and in every other unit after the first only
   the tokens of its closest look-alike sentence that the question does not name: what tells
   the look-alikes apart (another place's name, its value), a few tokens a chunk where
@@ -71,7 +80,7 @@ import torch
 
 from .words import tokenize
 
-KINDS = ("none", "epic", "blend", "focus", "match", "each", "contrast", "all", "rows")
+KINDS = ("none", "epic", "blend", "focus", "match", "each", "alike", "contrast", "all", "rows")
 #: ``focus``: a token's score is the best within this many tokens either side
 FOCUS_WINDOW = 4
 #: ``match``: a sentence or line longer than this many tokens is cut into pieces of at most this many
@@ -99,12 +108,13 @@ LEXICON_MEMO = 1024
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """A recompute policy; build one with :meth:`parse` (``"none"``, ``"epic:16"``,
-    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"match:1"``, ``"each:1"``, ``"all"``)."""
+    ``"blend:0.15"``, ``"blend:0.15@2"``, ``"focus:0.1"``, ``"match:1"``, ``"each:1"``, ``"alike:1"``, ``"all"``)."""
 
     kind: str = "none"
-    k: int = 0  # epic: tokens per unit; match: sentences; each: sentences a unit
+    k: int = 0  # epic: tokens per unit; match: sentences; each, alike: sentences a unit
     ratio: float = 0.0  # blend: fraction of candidate tokens
     check_layer: int = 1  # blend: the layer whose keys are compared
+    first_unit: int = 1  # each, alike: the first unit (0: the first of all) whose sentences are read
     rows: tuple[int, ...] = ()  # rows: the cache rows to recompute (see :meth:`explicit`)
 
     @classmethod
@@ -127,7 +137,12 @@ class Recompute:
         try:
             if name in ("none", "all") and not arg:
                 return cls(name)
-            if name in ("epic", "match", "each", "contrast") and arg:
+            if name in ("each", "alike") and "@" in arg:
+                n, _, u = arg.partition("@")
+                if int(n) < 1 or int(u) < 1:
+                    raise ValueError
+                return cls(name, k=int(n), first_unit=int(u))
+            if name in ("epic", "match", "each", "alike", "contrast") and arg:
                 k = int(arg)
                 if k < 1:
                     raise ValueError
@@ -146,13 +161,14 @@ class Recompute:
         except ValueError:
             pass
         raise ValueError(
-            f"recompute must be 'none', 'all', 'epic:K', 'match:N', 'each:N' or 'contrast:N' (K, N >= 1), 'blend:R' / "
+            f"recompute must be 'none', 'all', 'epic:K', 'match:N', 'each:N', 'alike:N' or 'contrast:N' (K, N >= 1; "
+            f"each and alike also 'each:N@U', from unit U >= 1), 'blend:R' / "
             f"'blend:R@LAYER' or 'focus:R' (0 < R <= 1), not {spec!r}"
         )
 
     def __str__(self) -> str:
-        if self.kind in ("epic", "match", "each", "contrast"):
-            return f"{self.kind}:{self.k}"
+        if self.kind in ("epic", "match", "each", "alike", "contrast"):
+            return f"{self.kind}:{self.k}" + (f"@{self.first_unit}" if self.first_unit != 1 else "")
         if self.kind == "blend":
             return f"blend:{self.ratio:g}" + (f"@{self.check_layer}" if self.check_layer != 1 else "")
         if self.kind == "focus":
@@ -294,20 +310,29 @@ def match_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
     return sorted(r for i in chosen for r in range(cands[i][0], cands[i][1]))
 
 
-def each_rows(lexicon: Lexicon, kvs: list, new_ids, n: int) -> list[int]:
-    """Cache rows of ``each:n``: in every unit after the first, the ``n`` sentences sharing the most
-    words with the question ``new_ids`` (at least one word; ties go to the shorter, then the
-    earlier). In cache order."""
+def each_rows(lexicon: Lexicon, kvs: list, new_ids, n: int, alike: bool = False, first: int = 1) -> list[int]:
+    """Cache rows of ``each:n``: in every unit from ``first`` on (1: every unit after the first), the
+    ``n`` sentences sharing the most words with the question ``new_ids`` (at least one word; ties go
+    to the shorter, then the earlier). ``alike`` (``alike:n``): only sentences sharing at least half
+    as many words (rounded up) as the best-sharing sentence of all those units. In cache order."""
     want = lexicon.words(new_ids)
     if not want or len(kvs) < 2:
         return []
-    rows: list[int] = []
-    off = kvs[0].length
-    for kv in kvs[1:]:
-        ranked = sorted((-len(want & w), e - s, s, e) for s, e, w in lexicon.segments(kv.token_ids) if want & w)
-        picked = sorted((s, e) for _, _, s, e in ranked[:n])
-        rows.extend(off + r for s, e in picked for r in range(s, e))
+    first = max(1, first)
+    units: list[tuple[int, list[tuple[int, int, int, int]]]] = []  # (first row, ranked pieces)
+    off = sum(kv.length for kv in kvs[:first])
+    for kv in kvs[first:]:
+        units.append((off, sorted((-len(want & w), e - s, s, e) for s, e, w in lexicon.segments(kv.token_ids)
+                                  if want & w)))
         off += kv.length
+    least = 1
+    if alike:
+        best = max((-ranked[0][0] for _, ranked in units if ranked), default=0)
+        least = max(1, (best + 1) // 2)
+    rows: list[int] = []
+    for off, ranked in units:
+        picked = sorted((s, e) for shared, _, s, e in ranked[:n] if -shared >= least)
+        rows.extend(off + r for s, e in picked for r in range(s, e))
     return rows
 
 
@@ -423,11 +448,13 @@ def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), ne
         return list(range(sum(lengths)))
     if policy.kind == "epic":
         return epic_rows(lengths, policy.k)
-    if policy.kind in ("match", "each", "contrast"):
+    if policy.kind in ("match", "each", "alike", "contrast"):
         if lexicon is None:
             raise ValueError(f"recompute '{policy.kind}' compares words: give select_rows the engine's Lexicon")
         if not new_ids:
             raise ValueError(f"recompute '{policy.kind}' ranks context by the new tokens' words; this prompt has none")
+        if policy.kind in ("each", "alike"):
+            return each_rows(lexicon, kvs, list(new_ids), policy.k, policy.kind == "alike", policy.first_unit)
         rank = {"match": match_rows, "each": each_rows, "contrast": contrast_rows}[policy.kind]
         return rank(lexicon, kvs, list(new_ids), policy.k)
     if policy.kind == "focus":

@@ -21,7 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=24)
+    ap.add_argument("--n", type=int, default=24, help="questions timed")
+    ap.add_argument("--corpus", type=int, default=150,
+                    help="questions (and so documents, one fact each) the look-alike corpus is built for, as the eval's "
+                         "--n: a small corpus retrieves unrelated documents beside the look-alikes")
+    ap.add_argument("--recompute", default=None, help="the policy timed (default: the RAG default)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import pcache_rag  # noqa: F401  - before torch
@@ -38,25 +42,26 @@ def main() -> None:
     use_decode_weights(model, RAG_DECODE_WEIGHTS, tok)
     prefix = LearnedPrefix.load(ROOT / "pcache_rag/data/learned/smollm2-135m-instruct.safetensors")
     with tempfile.TemporaryDirectory() as wd:
-        qs, rags, _ = Q._rag_set(model, tok, Path(wd), a.n, 330, 4, 0, "tuning", {"cond:learned"}, prefix=prefix,
-                                 set_name="lookalike", query_weights=RAG_QUERY_WEIGHTS)
+        qs, rags, _ = Q._rag_set(model, tok, Path(wd), max(a.n, a.corpus), 330, 4, 0, "tuning", {"cond:learned"},
+                                 prefix=prefix, set_name="lookalike", query_weights=RAG_QUERY_WEIGHTS)
         rag = rags["cond:learned"]
         pc = rag.pc
         cached, full = [], []
-        for q in qs:
+        policy = a.recompute or RAG_RECOMPUTE
+        for q in qs[: a.n]:
             hs = rag.retrieve(q.question)
             q_ids = fit_question(rag, q.question, hs, 24)
             pc.workspace.invalidate()
             t0 = time.perf_counter()
             parts = rag.chunks.parts(hs)
-            o = pc.generate(Parts(parts, q_ids, "preamble"), recompute=RAG_RECOMPUTE, max_new_tokens=1)
+            o = pc.generate(Parts(parts, q_ids, "preamble"), recompute=policy, max_new_tokens=1)
             cached.append(time.perf_counter() - t0 - (o.total_s - o.ttft_s))
             f = pc.generate(Parts([], rag.full_prompt_ids(q.question, hs)), max_new_tokens=1)
             full.append(f.ttft_s)
         out = {"cpu": cpu_line(), "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                                                        "ONEDNN_MAX_CPU_ISA", "PCACHE_RAG_KERNELS")
                                           if k in os.environ},
-               "query_weights": pc.core.query_weights, "recompute": RAG_RECOMPUTE, "n": len(qs),
+               "query_weights": pc.core.query_weights, "recompute": policy, "n": len(cached), "corpus": len(qs),
                "cached_ms": statistics.median(cached) * 1e3, "full_ms": statistics.median(full) * 1e3}
         out["speedup"] = out["full_ms"] / out["cached_ms"]
         print(json.dumps(out))

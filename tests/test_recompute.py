@@ -327,7 +327,8 @@ LOOK_ALIKES = (["You answer questions.",
 def test_each_reads_every_units_look_alike_sentence_in_context(smol_tok):
     """``each:1`` takes, in every unit after the first, its sentence sharing the most words with
     the question: the asked sentence and its look-alikes about other places; a unit sharing no
-    word gives nothing; it parses, prints and recomputes exactly those rows."""
+    word gives nothing; it parses, prints and recomputes exactly those rows; ``each:1@2`` starts a
+    unit later."""
     pc, parts, new, kvs, seg = _sentences(smol_tok, *LOOK_ALIKES)
     twin, asked = seg["The last ferry from Penwick leaves at 09:05."], seg["The last ferry from Ashford leaves at 17:30."]
     assert each_rows(pc.prefiller.lexicon, kvs, new, 1) == list(range(*twin)) + list(range(*asked))
@@ -339,6 +340,36 @@ def test_each_reads_every_units_look_alike_sentence_in_context(smol_tok):
         Recompute.parse("each:0")
     res = pc.prefill(Parts(parts, new), recompute="each:1")
     assert res.recomputed_tokens == (twin[1] - twin[0]) + (asked[1] - asked[0])
+    # each:1@2: from the second unit after the first on (the unit after the preamble keeps its cached states)
+    assert each_rows(pc.prefiller.lexicon, kvs, new, 1, first=2) == list(range(*asked))
+    assert str(Recompute.parse("each:1@2")) == "each:1@2" and Recompute.parse("alike:1@3").first_unit == 3
+    with pytest.raises(ValueError, match="from unit U"):
+        Recompute.parse("each:1@0")
+    assert pc.prefill(Parts(parts, new), recompute="each:1@2").recomputed_tokens == asked[1] - asked[0]
+
+
+def test_alike_reads_the_look_alikes_and_not_a_line_sharing_one_word(smol_tok):
+    """``alike:1`` is ``each:1`` less the sentences that share fewer than half as many of the
+    question's words as the best one: a unit whose best line shares only "time" with a question
+    whose own sentence shares four gives nothing. Where the best shares two words or fewer, it is
+    ``each``. It parses, prints and recomputes exactly those rows."""
+    texts = LOOK_ALIKES[0][:3] + ["Maps are old. Time flies when tea is hot."]
+    pc, parts, new, kvs, seg = _sentences(smol_tok, texts, LOOK_ALIKES[1])
+    lx = pc.prefiller.lexicon
+    twin = list(range(*seg["The last ferry from Penwick leaves at 09:05."]))
+    asked = list(range(*seg["The last ferry from Ashford leaves at 17:30."]))
+    filler = list(range(*seg["Time flies when tea is hot."]))
+    assert each_rows(lx, kvs, new, 1) == twin + asked + filler, "each:1 reads the line sharing 'time'"
+    assert each_rows(lx, kvs, new, 1, alike=True) == twin + asked
+    assert each_rows(lx, kvs, new, 2, alike=True) == twin + asked, "'Time is short.' shares one word of five"
+    assert str(Recompute.parse("alike:2")) == "alike:2"
+    with pytest.raises(ValueError, match="alike:N"):
+        Recompute.parse("alike:0")
+    res = pc.prefill(Parts(parts, new), recompute="alike:1")
+    assert res.recomputed_tokens == len(twin) + len(asked)
+    pc, parts, new, kvs, seg = _sentences(smol_tok, texts, " Is the time short?")  # best: 'Time is short.', two words
+    assert each_rows(pc.prefiller.lexicon, kvs, new, 1, alike=True) == each_rows(pc.prefiller.lexicon, kvs, new, 1) \
+        == list(range(*seg["Time is short."])) + list(range(*seg["Time flies when tea is hot."]))
 
 
 def test_contrast_reads_the_asked_sentence_and_what_sets_its_look_alikes_apart(smol_tok):

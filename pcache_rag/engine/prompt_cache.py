@@ -91,7 +91,7 @@ class PromptCache:
         they are converted to the model's dtype while being copied into the workspace.
         ``max_tokens``: initial workspace capacity (it grows on demand).
         ``recompute``: the default policy for prompts that assemble several units
-        (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"blend:R"``, ``"match:N"``, ``"each:N"``, ``"all"``);
+        (:mod:`pcache_rag.recompute`: ``"none"``, ``"epic:K"``, ``"match:N"``, ``"each:N"``, ``"alike:N"``, ``"all"``...);
         ``prefill``/``generate``/``stream`` take a per-call ``recompute=`` too.
         ``decode_weights``: ``"int8"`` or ``"bf16"`` copies of the linear weights for generated tokens
         only, self-checked (:mod:`pcache_rag.models.fast_decode`; :attr:`decode_report`); None or
