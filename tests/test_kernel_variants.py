@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from pcache_rag import PromptCache
+from pcache_rag import PromptCache, fsutil
 from pcache_rag.models import adapter_for, kernels
 from pcache_rag.models.decode_step import fused_step
 
@@ -47,7 +48,8 @@ def drivers(tmp_path_factory) -> dict[str, Path]:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on PATH")
     out = tmp_path_factory.mktemp("drivers")
-    return {v: _driver("cc", v, out) for v in X86}
+    with ThreadPoolExecutor(len(X86)) as pool:  # the compiles run side by side (each is one process)
+        return dict(zip(X86, pool.map(lambda v: _driver("cc", v, out), X86)))
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +59,10 @@ def reference(drivers) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kernel_home(tmp_path_factory) -> Path:
-    """One PCACHE_RAG_HOME for the fused-step runs below: each variant's library is built once."""
-    return tmp_path_factory.mktemp("kernel-home")
+def kernel_home() -> Path:
+    """The PCACHE_RAG_HOME of the fused-step runs below: the user's own, where each variant's library
+    is kept under the hash of its source and flags, so a run builds only what changed since the last."""
+    return fsutil.cache_home()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
