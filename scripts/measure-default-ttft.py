@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ def main() -> None:
     from pcache_rag.default_model import load_model
     from pcache_rag.engine import Parts
     from pcache_rag.measure import quality as Q
-    from pcache_rag.measure.decode_bench import cpu_line
+    from pcache_rag.measure.decode_bench import cpu_line, isa_caps
     from pcache_rag.models.fast_decode import RAG_DECODE_WEIGHTS, RAG_QUERY_WEIGHTS, use_decode_weights
     from pcache_rag.rag.prompt import fit_question
     from pcache_rag.recompute import RAG_RECOMPUTE
@@ -58,9 +57,7 @@ def main() -> None:
             cached.append(time.perf_counter() - t0 - (o.total_s - o.ttft_s))
             f = pc.generate(Parts([], rag.full_prompt_ids(q.question, hs)), max_new_tokens=1)
             full.append(f.ttft_s)
-        out = {"cpu": cpu_line(), "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
-                                                                       "ONEDNN_MAX_CPU_ISA", "PCACHE_RAG_KERNELS")
-                                          if k in os.environ},
+        out = {"cpu": cpu_line(), "env": isa_caps(),
                "query_weights": pc.core.query_weights, "recompute": policy, "n": len(cached), "corpus": len(qs),
                "cached_ms": statistics.median(cached) * 1e3, "full_ms": statistics.median(full) * 1e3}
         out["speedup"] = out["full_ms"] / out["cached_ms"]

@@ -173,8 +173,12 @@ def test_oracle_modes_recompute_the_rows_that_hold_the_answer(smol_tok):
         run_eval(model_path=None, modes=("full",) + ORACLE_MODES, sets=("plain", "rag"), out_dir=None)
 
 
-def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
+def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path, monkeypatch):
+    """The oracle modes report as an appendix; the report names the machine and the instruction-set
+    caps the run ran under."""
     from pcache_rag.measure.quality import run_eval, write_report
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # read for the report only: oneDNN is loaded already
 
     ORACLE_MODES = ("oracle:fact", "oracle:answer", "oracle:others")  # oracle:facts: the end-to-end sets only
     modes = ("full", "preamble") + ORACLE_MODES
@@ -187,6 +191,8 @@ def test_oracle_modes_run_and_report_as_an_appendix(smol_dir, tmp_path):
     text = md.read_text()
     assert "A note." in text and "## Where the loss comes from" in text and "### Where the loss comes from: cross" in text
     assert text.count("| oracle:fact") == 2  # the main table and the appendix's
+    assert s["machine"]["isa_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"} and "capped by ONEDNN_MAX_CPU_ISA=AVX2" in text
+    assert "Machine: CPU: " in text
 
 
 def test_the_agreement_floor_is_full_prefill_with_the_documents_reordered(smol_dir, smol_tok, tmp_path):

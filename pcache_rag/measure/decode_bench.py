@@ -76,6 +76,17 @@ def busy_processes(n: int):
             p.wait()
 
 
+#: the environment variables that cap what instructions torch's kernels, MKL, oneDNN, fbgemm and the decode
+#: kernels use (how an AVX-512 machine runs the code an AVX2-only CPU runs); a run's report names those set
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS",
+            "PCACHE_RAG_KERNELS")
+
+
+def isa_caps() -> dict[str, str]:
+    """The :data:`ISA_CAPS` this process runs under (name -> value), those set only."""
+    return {k: os.environ[k] for k in ISA_CAPS if k in os.environ}
+
+
 def cpu_line() -> str:
     """The CPU's vector features and the kernel variant the fused rows run on."""
     from ..models import kernels

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import Parts
+from .decode_bench import cpu_line, isa_caps
 from ..rag.prompt import fit_question
 
 SETS = ("plain", "competing", "cross", "rag", "lookalike")
@@ -986,6 +987,7 @@ def run_eval(model_path=None, n: int = 75, doc_tokens: int = 400, k: int = 4, mo
     summary = summarize({s: results[s] for s in sets if s in results}, modes)
     summary["config"] = {**config, "seconds": round(time.perf_counter() - t_start, 1)}
     summary["input_hashes"] = hashes
+    summary["machine"] = {"cpu": cpu_line(), "isa_caps": isa_caps()}  # not in config: a resume may run elsewhere
     summary["encode_tokens_per_s"] = syn.encode_rates()
     if syn.prefix is not None:
         summary["prefix"] = {"spec": syn.prefix.spec, **{key: syn.prefix.meta.get(key) for key in
@@ -1138,6 +1140,11 @@ def write_report(summary: dict, out_dir: Path, notes: list[str] = (),
         lines += [f"Split `{cfg.get('split', '?')}`. Inputs (a hash of each set's questions, answers and "
                   "documents; equal hashes mean identical inputs): "
                   + ", ".join(f"{s} `{h}`" for s, h in hashes.items()) + ".", ""]
+    machine = summary.get("machine")
+    if machine:
+        caps = " ".join(f"{k}={v}" for k, v in machine.get("isa_caps", {}).items())
+        lines += [f"Machine: {machine['cpu']}; instruction sets capped by {caps}." if caps else
+                  f"Machine: {machine['cpu']}; no instruction-set caps.", ""]
     rates = summary.get("encode_tokens_per_s", {})
     if rates:
         lines += ["Ingest cost (synthetic sets' documents, encoded once each in this run): "
