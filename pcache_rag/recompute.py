@@ -455,7 +455,7 @@ def select_rows(adapter, workspace, kvs: list, policy: Recompute, new_ids=(), ne
             raise ValueError(f"recompute '{policy.kind}' ranks context by the new tokens' words; this prompt has none")
         if policy.kind in ("each", "alike"):
             return each_rows(lexicon, kvs, list(new_ids), policy.k, policy.kind == "alike", policy.first_unit)
-        rank = {"match": match_rows, "each": each_rows, "contrast": contrast_rows}[policy.kind]
+        rank = {"match": match_rows, "contrast": contrast_rows}[policy.kind]
         return rank(lexicon, kvs, list(new_ids), policy.k)
     if policy.kind == "focus":
         return blend_rows(focus_scores(question_attention(adapter, workspace, kvs, list(new_ids), list(new_pos))),

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import Parts
-from .decode_bench import cpu_line, isa_caps
 from ..rag.prompt import fit_question
+from .decode_bench import cpu_line, isa_caps
 
 SETS = ("plain", "competing", "cross", "rag", "lookalike")
 #: the sets answered end to end through CachedRAG (retrieval, stored states, its prompt layout)
