@@ -16,8 +16,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .docmodules import Assembler, CachedOutput
-    from .engine import PromptCache
+    from .docmodules import Assembler
+    from .engine import GenerationOutput, PromptCache
     from .rag import CachedRAG
 
 _EMBEDDER: list[Any] = []
@@ -125,13 +125,13 @@ def embed(texts: list[str]) -> list[list[float]]:
     return [list(map(float, v)) for v in _EMBEDDER[0].embed(list(texts))]
 
 
-def usage(out: CachedOutput) -> dict:
+def usage(out: GenerationOutput) -> dict:
     """A response's token usage in the shape frameworks count it: ``input_tokens`` (the whole
     prompt), ``output_tokens``, ``total_tokens`` and ``cache_read`` (prompt tokens read from the
     cache as they were stored)."""
-    n_out = len(out.output.token_ids)
+    n_out = len(out.token_ids)
     return {"input_tokens": out.prompt_tokens, "output_tokens": n_out, "total_tokens": out.prompt_tokens + n_out,
-            "cache_read": out.cache_read}
+            "cache_read": out.cached_tokens}
 
 
 __all__ = ["engine_key", "engine", "assembler", "check_index", "check_count", "check_recompute", "index_rag", "embed",

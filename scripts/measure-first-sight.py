@@ -98,11 +98,11 @@ def main() -> None:
             base2 = full(other)
             inline = cached(other, False)
             r["full"].append(base)
-            r["first (deferred)"].append(first.output.ttft_s / base)
-            r["repeat"].append(again.output.ttft_s / base)
-            r["first (inline)"].append(inline.output.ttft_s / base2)
+            r["first (deferred)"].append(first.ttft_s / base)
+            r["repeat"].append(again.ttft_s / base)
+            r["first (inline)"].append(inline.ttft_s / base2)
             r["prompt_tokens"].append(first.prompt_tokens)
-            r["cached share, repeat"].append(again.cache_read / again.prompt_tokens)
+            r["cached share, repeat"].append(again.cached_tokens / again.prompt_tokens)
         row = {"size": size, "prompts": a.prompts, "prompt_tokens": statistics.median(r["prompt_tokens"]),
                "full_ms": 1e3 * statistics.median(r["full"]),
                **{k: statistics.median(r[k]) for k in ("first (deferred)", "repeat", "first (inline)",

@@ -56,7 +56,7 @@ def main() -> None:
 
     def ask(tenant: str, code: str) -> tuple[float, int, int]:
         out = asm.generate(asm.message_segments(msgs(code), tenant=tenant), max_new_tokens=1)
-        return out.output.ttft_s, out.cache_read, out.prompt_tokens
+        return out.ttft_s, out.cached_tokens, out.prompt_tokens
 
     ask("warm-up", "0000")  # the engine's first call
     rows = {}

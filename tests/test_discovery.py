@@ -196,10 +196,10 @@ def test_an_unmarked_known_document_in_a_system_message_is_read_from_the_cache(s
     assert "".join(s.text for s in segs if s.kind != "markup") .count(doc_a) == 1
     out = asm.generate(segs, max_new_tokens=8)
     n_docs = len(asm.doc_ids(doc_a)) + len(asm.doc_ids(doc_b))
-    assert out.documents == 2 and out.encoded < 16, "only the system message's opening was new (the prefix)"
-    assert out.cache_read >= n_docs
+    assert out.documents == 2 and out.encoded_tokens < 16, "only the system message's opening was new (the prefix)"
+    assert out.cached_tokens >= n_docs
     again = asm.generate(segs, max_new_tokens=8)
-    assert again.encoded == 0 and again.cache_read >= n_docs + out.encoded and again.text == out.text
+    assert again.encoded_tokens == 0 and again.cached_tokens >= n_docs + out.encoded_tokens and again.text == out.text
     off = asm.message_segments([("system", system), ("user", "What is the code?")], discover=False)
     assert not any(s.kind == "document" for s in off), "discover=False keeps the prompt as plain text"
 
@@ -214,7 +214,7 @@ def test_a_document_seen_marked_once_is_found_unmarked_later(smol):
                          max_new_tokens=4)
     assert first.documents == 1
     again = asm.generate(asm.text_segments(f"Notes:\n{doc}\n\nWho logs arrivals?"), max_new_tokens=4)
-    assert again.documents == 1 and again.encoded == 0 and again.cache_read > len(asm.doc_ids(doc)) - 2
+    assert again.documents == 1 and again.encoded_tokens == 0 and again.cached_tokens > len(asm.doc_ids(doc)) - 2
 
 
 @pytest.mark.real_model
@@ -233,11 +233,11 @@ def test_a_first_sight_computes_the_prompt_and_encodes_its_documents_after_the_a
     assert len(plan.deferred) == 3 and not any(asm._stored(asm.key(ids)) for ids in plan.deferred)
     assert [name for name, _ in plan.parts] == ["prefix"] and len(plan.new_ids) > n_docs, "computed, not encoded"
     first = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
-    assert first.documents == 3 and first.encoded >= n_docs and first.cache_read <= plan.parts[0][1].length, \
+    assert first.documents == 3 and first.encoded_tokens >= n_docs and first.cached_tokens <= plan.parts[0][1].length, \
         "only the prefix came from the cache"
     assert all(asm._stored(asm.key(ids)) for ids in plan.deferred), "encoded after the answer"
     again = asm.generate(asm.message_segments(msgs), max_new_tokens=8)
-    assert again.encoded == 0 and again.cache_read >= n_docs
+    assert again.encoded_tokens == 0 and again.cached_tokens >= n_docs
     asm.defer_first_sight = False
     other = [("system", msgs[0][1].replace("copper", "silver")), msgs[1]]
     inline = asm.plan(asm.message_segments(other), 8)
@@ -372,7 +372,7 @@ def test_documents_encoded_by_one_engine_are_found_by_another_on_the_same_states
     asm = Assembler(other, conditioning="none")
     out = asm.generate(asm.message_segments([("system", f"Notes:\n\n{doc}"), ("user", "Who logs arrivals?")]),
                        max_new_tokens=4)
-    assert out.documents == 1 and out.cache_read >= len(asm.doc_ids(doc)) - 2
-    assert out.encoded < 16, "the document's states came from the store, only the prefix was new"
+    assert out.documents == 1 and out.cached_tokens >= len(asm.doc_ids(doc)) - 2
+    assert out.encoded_tokens < 16, "the document's states came from the store, only the prefix was new"
     other.store.close()
     first.pc.store.close()

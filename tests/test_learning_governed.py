@@ -42,7 +42,7 @@ def asm(smol_tok):
 def _cost(asm: Assembler, tenant: str, pin: str) -> tuple[int, int, int]:
     """(prompt tokens, tokens read from the cache, tokens encoded) of one answer."""
     out = asm.generate(asm.message_segments(_messages(pin), tenant=tenant), max_new_tokens=1)
-    return out.prompt_tokens, out.cache_read, out.encoded
+    return out.prompt_tokens, out.cached_tokens, out.encoded_tokens
 
 
 def test_a_right_guess_from_another_tenant_costs_what_a_wrong_one_does(asm):
@@ -120,7 +120,7 @@ def test_a_7kb_prompt_writes_nothing_to_disk_or_the_journal(smol_tok, tmp_path):
     msgs = [("system", prompt), ("user", "How many crates are in depot 7?")]
     first = a.generate(a.message_segments(msgs), max_new_tokens=1)
     second = a.generate(a.message_segments(msgs), max_new_tokens=1)
-    assert second.cache_read >= 0.95 * second.prompt_tokens > first.cache_read
+    assert second.cached_tokens >= 0.95 * second.prompt_tokens > first.cached_tokens
     assert pc.store.tier_stats()["disk"].bytes == disk, "nothing learned was written to disk"
     assert (tmp_path / "kv" / KNOWN_JOURNAL).stat().st_size == journal, "nor to the journal"
     assert 0 < pc.learned.stats().bytes <= pc.learned.budget

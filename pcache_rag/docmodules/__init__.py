@@ -33,7 +33,7 @@ from .marks import (
 )
 
 if TYPE_CHECKING:
-    from .assembler import Assembler, CachedOutput
+    from .assembler import Assembler
     from .states import DocumentStates, check_prefix, default_conditioning, document_ids, preamble_ids
     from .registry import assembler_for, default_states_dir, register_engine, shared_engine
 
@@ -42,7 +42,7 @@ _LAZY = {"Assembler": "assembler", "CachedOutput": "assembler", "DocumentStates"
          "default_states_dir": "registry", "register_engine": "registry", "shared_engine": "registry"}
 
 __all__ = ["Assembler", "MIN_CONDITIONED_TOKENS", "DEFAULT_CONDITIONING", "sampling", "shared_engine",
-           "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "Segments", "CachedOutput",
+           "register_engine", "assembler_for", "default_states_dir", "Segment", "SegmentKind", "Segments",
            "PCacheFallbackWarning", "mark_document", "format_documents", "split_marked", "unmark", "DOC_OPEN",
            "DOC_CLOSE", "DOC_SEPARATOR", "DOCUMENTS_HEADER", "DEFAULT_SYSTEM", "preamble_ids", "document_ids", "default_conditioning",
            "neutral_text", "parse_conditioning", "DocumentStates", "check_prefix"]

@@ -44,6 +44,7 @@ exactly as marked ones are. Marks stay an explicit override.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -51,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..discovery import MAX_LEARNED_BLOCKS, MIN_CHARS, KnownUnion, Uncached, document_spans
-from ..engine import ContextOverflowError, GenerationOutput, Parts, SamplingParams
+from ..engine import ContextOverflowError, Generation, GenerationOutput, Parts, SamplingParams
 from ..kv import ModuleKV
 from ..pml import bos_ids
 from ..recompute import resolve_auto
@@ -61,36 +62,6 @@ from .states import DocumentStates
 from .turns import extend_prefix, turn_key, turn_states
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CachedOutput:
-    """A finished answer and what the prompt cost."""
-
-    output: GenerationOutput
-    prompt_tokens: int  # every token of the prompt
-    cache_read: int  # tokens whose stored states were used as they were
-    computed: int  # prompt tokens computed by this call (new, encoded now, recomputed)
-    encoded: int  # prefix/document tokens encoded by this call (and stored for next time)
-    documents: int  # documents in the prompt
-    uncached: list[str]  # why text that could have been a document was computed (Segments.uncached)
-
-    @property
-    def text(self) -> str:
-        return self.output.text
-
-    def stats(self) -> dict:
-        o = self.output
-        return {"ttft_s": o.ttft_s, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cache_read,
-                "computed_tokens": self.computed, "encoded_tokens": self.encoded,
-                "recomputed_tokens": o.recomputed_tokens, "documents": self.documents,
-                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason, "uncached": self.uncached}
-
-    def usage(self) -> dict:
-        """:meth:`GenerationOutput.usage`'s keys, counted over the whole prompt, and its documents."""
-        st = self.stats()
-        return {k: st[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens", "recomputed_tokens",
-                                   "output_tokens", "finish_reason", "documents")}
 
 
 @dataclass(slots=True)
@@ -293,12 +264,14 @@ class Assembler(DocumentStates):
         learned for ``tenant`` (memory: asked first) or in the shared store (it may ask a disk or Redis)."""
         return self.learned.contains(tenant, key) or self.store.contains(key)
 
-    def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
+    def _run(self, segments, recompute, gen: SamplingParams) -> Iterator[str | GenerationOutput]:
         t0 = time.perf_counter()
         plan = self.plan(segments, gen.max_new_tokens)
         yield from self._decode(plan, t0, recompute, gen)
 
-    def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | CachedOutput]:
+    def _decode(self, plan: _Plan, t0: float, recompute, gen: SamplingParams) -> Iterator[str | GenerationOutput]:
+        """Text deltas, then the answer's :class:`GenerationOutput` counted over the whole prompt: the
+        documents encoded for it (before, or after the answer: first sight) count as computed."""
         prep = time.perf_counter() - t0
         policy = resolve_auto(recompute, structured=gen.grammar is not None)
         stream = self.pc.stream(Parts(plan.parts, plan.new_ids, preamble="prefix"), recompute=policy, params=gen)
@@ -317,35 +290,31 @@ class Assembler(DocumentStates):
         # journalled); the shared index's own texts are known to every tenant already
         known = self.learned.known(plan.tenant)
         known.add(t for t in plan.texts if t not in self.known_texts)
-        yield CachedOutput(item, plan.prompt_tokens, cached, plan.prompt_tokens - cached, encoded,
-                           plan.documents, plan.uncached)
+        yield dataclasses.replace(item, cached_tokens=cached, computed_tokens=plan.prompt_tokens - cached,
+                                  encoded_tokens=encoded, documents=plan.documents, uncached=tuple(plan.uncached))
 
     def generate(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
-                 **gen) -> CachedOutput:
+                 **gen) -> GenerationOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
         ``recompute``: a policy (:mod:`pcache_rag.recompute`), ``"auto"`` (the RAG default,
         ``match:1``) or ``None`` (the engine's own, ``none``). How to decode: ``params`` (a
         :class:`~pcache_rag.request.SamplingParams`) and/or its fields as keywords
         (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``grammar``)."""
-        out = None
-        for item in self._run(segments, recompute, SamplingParams.of(params, **gen)):
-            if isinstance(item, CachedOutput):
-                out = item
-        assert out is not None
-        return out
+        return self.stream(segments, recompute, params, **gen).result()
 
     def stream(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
-               **gen) -> Iterator[str | CachedOutput]:
-        """Text deltas as they are decoded, then the :class:`CachedOutput` (planned at the first item)."""
-        return self._run(segments, recompute, SamplingParams.of(params, **gen))
+               **gen) -> Generation:
+        """A :class:`~pcache_rag.engine.Generation`, as the engine's streams: text deltas as they are
+        decoded (planned at the first), then ``.output``, the :class:`GenerationOutput`."""
+        return Generation(self._run(segments, recompute, SamplingParams.of(params, **gen)))
 
     def stream_planned(self, segments: Sequence[Segment], recompute=None, params: SamplingParams | None = None,
-                       **gen) -> Iterator[str | CachedOutput]:
+                       **gen) -> Generation:
         """:meth:`stream`, planned now: a prompt too long or unsupported is refused here, and its
-        missing documents are encoded here, before the first item is asked for."""
+        missing documents are encoded here, before the first delta is asked for."""
         params = SamplingParams.of(params, **gen)
         t0 = time.perf_counter()
-        return self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params)
+        return Generation(self._decode(self.plan(segments, params.max_new_tokens), t0, recompute, params))
 
 
 def pieces_of(states: DocumentStates, segments: Sequence[Segment]) -> list[tuple[str, list[int], list[int]]]:
@@ -389,4 +358,14 @@ def pieces_of(states: DocumentStates, segments: Sequence[Segment]) -> list[tuple
     return pieces
 
 
-__all__ = ["Assembler", "CachedOutput"]
+def __getattr__(name: str):
+    """``CachedOutput`` (before 0.2): every answer is a :class:`GenerationOutput` now; for one release."""
+    if name == "CachedOutput":
+        warnings.warn("CachedOutput is deprecated: an Assembler answer is a GenerationOutput (pcache_rag.engine), "
+                      "with the same counts (removed in the next release)", DeprecationWarning,
+                      stacklevel=3)  # the caller of pcache_rag.docmodules' lazy import
+        return GenerationOutput
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Assembler"]

@@ -6,6 +6,7 @@ these shapes.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,24 +50,57 @@ class PrefillResult:
 
 @dataclass(slots=True)
 class GenerationOutput:
-    """A finished generation."""
+    """A finished generation: the one answer record of every path (the engine's own streams, an
+    Assembler's prompt of documents, the batch, the connectors, the server). ``cached_tokens`` +
+    ``computed_tokens`` is the whole prompt (:attr:`prompt_tokens`); an Assembler answer counts a
+    document it encoded for this prompt as computed (and in ``encoded_tokens``), not as cached."""
 
     text: str  # decoded new text (stop string excluded)
     token_ids: list[int]  # generated token ids
     ttft_s: float  # seconds from the call to the first sampled token
-    cached_tokens: int
-    computed_tokens: int
+    cached_tokens: int  # prompt tokens read from stored states as they were
+    computed_tokens: int  # prompt tokens computed by this call (new, recomputed, encoded now)
     total_s: float = 0.0
     finish_reason: FinishReason = "length"
     recomputed_tokens: int = 0  # context tokens recomputed (included in computed_tokens)
     decode_batch: int = 1  # the most sequences it decoded with in one forward (1: alone)
     unbatched: str = ""  # why it decoded alone with batching on (ALiBi, a model outside pcache_sdpa)
+    encoded_tokens: int = 0  # prefix and document tokens encoded by this call, stored for the next prompts
+    documents: int = 0  # documents the prompt held (an Assembler's prompt; 0 for an engine prompt)
+    uncached: tuple[str, ...] = ()  # why text that could have been a document was computed
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Every token of the prompt: cached and computed."""
+        return self.cached_tokens + self.computed_tokens
 
     def usage(self) -> dict:
         """What the answer cost, in the keys every answer's usage has (the server's ``usage``)."""
-        return {"prompt_tokens": self.cached_tokens + self.computed_tokens, "cached_tokens": self.cached_tokens,
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "computed_tokens": self.computed_tokens, "recomputed_tokens": self.recomputed_tokens,
-                "output_tokens": len(self.token_ids), "finish_reason": self.finish_reason}
+                "output_tokens": len(self.token_ids), "finish_reason": self.finish_reason,
+                "documents": self.documents}
+
+    def stats(self) -> dict:
+        """:meth:`usage` with the time to first token, the tokens encoded now and why text was not
+        cached (the connectors' response metadata)."""
+        return {"ttft_s": self.ttft_s, **self.usage(), "encoded_tokens": self.encoded_tokens,
+                "uncached": list(self.uncached)}
+
+    def __getattr__(self, name: str):
+        """The names an Assembler answer had as a ``CachedOutput`` (before 0.2), for one release."""
+        new = _CACHED_OUTPUT_NAMES.get(name)
+        if new is None:
+            raise AttributeError(f"'GenerationOutput' object has no attribute {name!r}")
+        warnings.warn(f"an answer's {name!r} (CachedOutput, before 0.2) is deprecated: use "
+                      f"{'the answer itself' if new == 'self' else repr(new)} (removed in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        return self if new == "self" else getattr(self, new)
+
+
+#: a CachedOutput's names and their GenerationOutput fields (``output`` was the inner record)
+_CACHED_OUTPUT_NAMES = {"output": "self", "cache_read": "cached_tokens", "computed": "computed_tokens",
+                        "encoded": "encoded_tokens"}
 
 
 @dataclass(slots=True)

@@ -259,11 +259,11 @@ class CachedRAG:
 
     def stream_turns(self, turns: list[tuple[str, str]], question: str, handles: list[ModuleHandle],
                      notes: list[str] | None = None, tenant: str | None = None, params: SamplingParams | None = None,
-                     **gen):
+                     **gen) -> Generation:
         """A conversation's answer: its ``turns`` (a system message, else the index's own, then the
         earlier turns), then a user turn of the retrieved chunks and the ``question``; the chunks'
         states are read as in :meth:`stream`. Calibrated attention applies to single questions only,
-        and ``notes`` says so. Returns the Assembler's stream (text deltas, then a ``CachedOutput``)."""
+        and ``notes`` says so. Returns the Assembler's :class:`Generation`, as :meth:`stream` does."""
         turns = list(turns)
         if not any(role == "system" for role, _ in turns):
             turns.insert(0, ("system", self.asm.system_prompt))
@@ -277,11 +277,11 @@ class CachedRAG:
 
     def stream_prompt(self, messages: Sequence[tuple[str, str]] | None = None, prompt: str | None = None,
                       notes: list[str] | None = None, tenant: str | None = None, params: SamplingParams | None = None,
-                      **gen):
+                      **gen) -> Generation:
         """A prompt answered as sent, chat ``messages`` or a text ``prompt``, with no retrieval: the
         index's chunks (and other known documents) in it are read from the cache, marked or not;
         why other text was computed joins ``notes``; what it teaches is kept for ``tenant`` (default:
-        :attr:`namespace`). Returns the Assembler's stream."""
+        :attr:`namespace`). Returns the Assembler's :class:`Generation`."""
         self.know_indexed()
         t = self.namespace if tenant is None else tenant
         segs = (self.asm.message_segments(messages, learn=self.learn, tenant=t) if messages is not None

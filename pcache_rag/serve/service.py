@@ -271,14 +271,11 @@ class AnswerService:
         """Stream the job's answer to its events, then its statistics (and the comparison)."""
         rag, stream, t0, notes, handles = self.rag, o.stream, o.t0, o.notes, o.handles
         queued, retrieve_s = o.queued, o.retrieve_s
-        out, ttft = None, None
+        ttft = None
         try:
-            for item in stream:
+            for item in stream:  # text deltas; afterwards stream.output (every stream is a Generation)
                 if job.cancelled.is_set():
                     break
-                if not isinstance(item, str):  # an Assembler stream ends with its CachedOutput
-                    out = item
-                    continue
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 self._progress = time.monotonic()
@@ -288,10 +285,10 @@ class AnswerService:
         if job.cancelled.is_set():
             self.counts["cancelled"] += 1
             return
-        out = out if out is not None else getattr(stream, "output", None)  # a Generation holds its own
+        out = stream.output
         if out is None:
             raise RuntimeError("the answer stream ended without its output")
-        usage = out.usage()  # a GenerationOutput or a CachedOutput: the same keys
+        usage = out.usage()
         if job.req.sampling.grammar and usage["finish_reason"] == "length":
             notes.append("the answer reached max_tokens before its structured output was complete: it is cut "
                          "short (raise max_tokens)")

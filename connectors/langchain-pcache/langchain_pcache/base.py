@@ -50,7 +50,8 @@ from pcache_rag.grammar import resolve, with_instruction
 from pcache_rag.request import SamplingParams
 
 if TYPE_CHECKING:
-    from pcache_rag.docmodules import Assembler, CachedOutput
+    from pcache_rag.docmodules import Assembler
+    from pcache_rag.engine import Generation, GenerationOutput
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -337,7 +338,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         failed = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
-    def _run(self, messages: list[BaseMessage], stop, kwargs) -> tuple[Iterator[str | CachedOutput], bool]:
+    def _run(self, messages: list[BaseMessage], stop, kwargs) -> tuple[Generation, bool]:
         """The answer's stream, and whether it is read for tool calls."""
         asm = self._asm()
         sp, recompute, instruction = self._gen(stop, kwargs)
@@ -354,29 +355,26 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         """Text deltas; with tools, a call streams as ``tool_call_chunks`` (its name and id first, then
         its arguments' JSON as it is decoded)."""
-        items, read_calls = self._run(messages, stop, kwargs)
+        stream, read_calls = self._run(messages, stop, kwargs)
         calls = tools.CallStream() if read_calls else None
-        for item in items:
-            if not isinstance(item, str):
-                for d in calls.flush() if calls else ():
-                    yield _chunk(d, run_manager)
-                yield ChatGenerationChunk(message=AIMessageChunk(
-                    content="", usage_metadata=_usage(item), response_metadata=self._meta(item),
-                    chunk_position="last"))
-            else:
-                for d in calls.feed(item) if calls else (tools.Delta(text=item),):
-                    yield _chunk(d, run_manager)
+        for item in stream:  # text deltas; then stream.output
+            for d in calls.feed(item) if calls else (tools.Delta(text=item),):
+                yield _chunk(d, run_manager)
+        out = stream.output
+        assert out is not None, "a finished stream holds its output"
+        for d in calls.flush() if calls else ():
+            yield _chunk(d, run_manager)
+        yield ChatGenerationChunk(message=AIMessageChunk(
+            content="", usage_metadata=_usage(out), response_metadata=self._meta(out), chunk_position="last"))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        out = None
-        items, read_calls = self._run(messages, stop, kwargs)
-        for item in items:
-            if not isinstance(item, str):
-                out = item
-            elif run_manager:
+        stream, read_calls = self._run(messages, stop, kwargs)
+        for item in stream:
+            if run_manager:
                 run_manager.on_llm_new_token(item)
-        assert out is not None
+        out = stream.output
+        assert out is not None, "a finished stream holds its output"
         meta = self._meta(out)
         fields = _tool_calls(out.text) if read_calls else {"content": out.text}
         msg = AIMessage(**fields, usage_metadata=_usage(out), response_metadata=meta)
@@ -400,7 +398,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         while (chunk := await connector.in_thread(next, it, None)) is not None:
             yield chunk
 
-    def _meta(self, out: CachedOutput) -> dict:
+    def _meta(self, out: GenerationOutput) -> dict:
         return {"model_name": self.model, "model_provider": "pcache_rag", **out.stats()}
 
 
@@ -415,7 +413,7 @@ def _chunk(d: tools.Delta, run_manager: CallbackManagerForLLMRun | None) -> Chat
         {"name": d.name, "args": d.arguments, "id": d.id, "index": d.index, "type": "tool_call_chunk"}]))
 
 
-def _usage(out: CachedOutput) -> dict:
+def _usage(out: GenerationOutput) -> dict:
     """LangChain's ``usage_metadata`` shape of :func:`pcache_rag.connector.usage`."""
     u = connector.usage(out)
     return {**{k: u[k] for k in ("input_tokens", "output_tokens", "total_tokens")},
@@ -465,14 +463,14 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
         # a text prompt is read as written: the grammar applies, no schema is added
         sp, recompute, _ = self._gen(stop, kwargs)
         segs = asm.text_segments(prompt, learn=self.learn_documents, tenant=self.namespace)
-        for item in asm.stream(segs, recompute=recompute, params=sp):
-            if not isinstance(item, str):
-                yield GenerationChunk(text="", generation_info=item.stats())
-                continue
+        stream = asm.stream(segs, recompute=recompute, params=sp)
+        for item in stream:
             chunk = GenerationChunk(text=item)
             if run_manager:
                 run_manager.on_llm_new_token(item, chunk=chunk)
             yield chunk
+        assert stream.output is not None, "a finished stream holds its output"
+        yield GenerationChunk(text="", generation_info=stream.output.stats())
 
 
 class PromptCacheDocumentEncoder(_EngineConfig, BaseDocumentTransformer):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import warnings
 from contextvars import ContextVar
@@ -72,7 +73,8 @@ from pcache_rag.grammar import json_grammar, resolve, with_instruction
 from pcache_rag.request import SamplingParams
 
 if TYPE_CHECKING:
-    from pcache_rag.docmodules import Assembler, CachedOutput
+    from pcache_rag.docmodules import Assembler
+    from pcache_rag.engine import Generation
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KEY = "pcache_kv_key"
@@ -167,7 +169,7 @@ class PromptCacheLLM(FunctionCallingLLM):
         return gen, kwargs.get("recompute", self.recompute), instruction
 
     def _iter(self, turns: list[tuple[str, str]] | None, text: str | None, kwargs,
-              chat: bool = False) -> tuple[Generator[str | CachedOutput, None, None], bool]:
+              chat: bool = False) -> tuple[Generation, bool]:
         """Chat ``turns`` (a ``response_format``'s instruction goes after the last user turn; the
         tools' text into the system message), or a formatted ``text`` prompt read exactly as
         written; and whether the answer is read for tool calls (``chat`` calls only)."""
@@ -189,23 +191,25 @@ class PromptCacheLLM(FunctionCallingLLM):
     def _complete_iter(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = ""
         turns, raw = (None, prompt) if formatted else ([("user", prompt)], None)
-        for item in self._iter(turns, raw, kwargs)[0]:
-            if not isinstance(item, str):
-                yield CompletionResponse(text=text, delta="", additional_kwargs=item.stats(), raw=item.stats())
-            else:
-                text += item
-                yield CompletionResponse(text=text, delta=item)
+        stream = self._iter(turns, raw, kwargs)[0]
+        for item in stream:  # text deltas; then stream.output
+            text += item
+            yield CompletionResponse(text=text, delta=item)
+        assert stream.output is not None, "a finished stream holds its output"
+        stats = stream.output.stats()
+        yield CompletionResponse(text=text, delta="", additional_kwargs=stats, raw=stats)
 
     def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
         """Responses as the answer is decoded. With tools, a call's name and its arguments so far are
         in ``message.additional_kwargs["tool_calls"]`` (OpenAI's shape) as they stream; the text
         outside calls is the content."""
-        items, read_calls = self._iter(_turns(messages), None, kwargs, chat=True)
+        stream, read_calls = self._iter(_turns(messages), None, kwargs, chat=True)
         reader = tools.CallStream() if read_calls else None
         text = ""
         calls: list[dict] = []
-        for item in items:
-            deltas = (reader.feed(item) if reader else [tools.Delta(text=item)]) if isinstance(item, str) else \
+        # the text deltas, then None: the end (stream.output is set), where a call still open is flushed
+        for item in itertools.chain(stream, [None]):
+            deltas = (reader.feed(item) if reader else [tools.Delta(text=item)]) if item is not None else \
                 (reader.flush() if reader else [])
             delta = ""
             for d in deltas:
@@ -217,16 +221,18 @@ class PromptCacheLLM(FunctionCallingLLM):
                     calls[d.index]["function"]["arguments"] += d.arguments
             text += delta
             extra = {"tool_calls": [dict(c, function=dict(c["function"])) for c in calls]} if calls else {}
-            if isinstance(item, str):
+            if item is not None:
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text,
                                                        additional_kwargs=extra), delta=delta)
             else:
+                assert stream.output is not None, "a finished stream holds its output"
+                stats = stream.output.stats()
                 calls = _whole(calls)
                 extra = {"tool_calls": calls} if calls else {}
                 content = text.strip() if calls else text
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
                                                        additional_kwargs=extra), delta=delta,
-                                   additional_kwargs=item.stats(), raw=item.stats())
+                                   additional_kwargs=stats, raw=stats)
 
     # ------------------------------------------------------------------ tools (FunctionCallingLLM)
 
