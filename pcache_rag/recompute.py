@@ -92,7 +92,10 @@ MATCH_MAX_TOKENS = 64
 #: same kind of fact about other subjects (issue 56's look-alike corpus, ~330-token documents),
 #: ``match:1`` trailed full prefill by 14 points on 150 tuning questions (38 against 59, p = 0.001)
 #: where ``each:1`` answered 55 (p = 0.45) at 10.2x, with the rows over cached states in bf16
-#: (docs/runs/2026-12-07-lookalike-default.md, which also has the reporting draw and the four sets)
+#: (docs/runs/2026-12-07-lookalike-default.md, which also has the reporting draw and the four sets).
+#: ``alike:1`` is faster on the four older sets (13-22x against 12-19x) and within the bar, but agrees
+#: with full prefill less on two of them, and was never tuned there: not the default
+#: (docs/runs/2026-12-07-alike-four-sets.md)
 RAG_RECOMPUTE = "each:1"
 #: ``"auto"`` for a structured answer (a grammar constrains it): the same. Over four look-alike
 #: documents per prompt, 24 structured prompts per draw (scripts/measure-structured-recompute.py),
