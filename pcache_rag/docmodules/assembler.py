@@ -297,7 +297,7 @@ class Assembler(DocumentStates):
                  **gen) -> GenerationOutput:
         """Answer a prompt of segments (see :meth:`message_segments`, :meth:`text_segments`).
         ``recompute``: a policy (:mod:`pcache_rag.recompute`), ``"auto"`` (the RAG default,
-        ``match:1``) or ``None`` (the engine's own, ``none``). How to decode: ``params`` (a
+        :data:`~pcache_rag.recompute.RAG_RECOMPUTE`) or ``None`` (the engine's own, ``none``). How to decode: ``params`` (a
         :class:`~pcache_rag.request.SamplingParams`) and/or its fields as keywords
         (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``grammar``)."""
         return self.stream(segments, recompute, params, **gen).result()
