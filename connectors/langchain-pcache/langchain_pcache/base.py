@@ -360,8 +360,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         for item in stream:  # text deltas; then stream.output
             for d in calls.feed(item) if calls else (tools.Delta(text=item),):
                 yield _chunk(d, run_manager)
-        out = stream.output
-        assert out is not None, "a finished stream holds its output"
+        out = stream.result()  # the stream is drained: its output
         for d in calls.flush() if calls else ():
             yield _chunk(d, run_manager)
         yield ChatGenerationChunk(message=AIMessageChunk(
@@ -373,8 +372,7 @@ class ChatPromptCache(_EngineConfig, BaseChatModel):
         for item in stream:
             if run_manager:
                 run_manager.on_llm_new_token(item)
-        out = stream.output
-        assert out is not None, "a finished stream holds its output"
+        out = stream.result()
         meta = self._meta(out)
         fields = _tool_calls(out.text) if read_calls else {"content": out.text}
         msg = AIMessage(**fields, usage_metadata=_usage(out), response_metadata=meta)
@@ -469,8 +467,7 @@ class PromptCacheTextLLM(_EngineConfig, LLM):
             if run_manager:
                 run_manager.on_llm_new_token(item, chunk=chunk)
             yield chunk
-        assert stream.output is not None, "a finished stream holds its output"
-        yield GenerationChunk(text="", generation_info=stream.output.stats())
+        yield GenerationChunk(text="", generation_info=stream.result().stats())
 
 
 class PromptCacheDocumentEncoder(_EngineConfig, BaseDocumentTransformer):

@@ -195,8 +195,7 @@ class PromptCacheLLM(FunctionCallingLLM):
         for item in stream:  # text deltas; then stream.output
             text += item
             yield CompletionResponse(text=text, delta=item)
-        assert stream.output is not None, "a finished stream holds its output"
-        stats = stream.output.stats()
+        stats = stream.result().stats()  # the stream is drained: its output
         yield CompletionResponse(text=text, delta="", additional_kwargs=stats, raw=stats)
 
     def _chat_iter(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
@@ -225,8 +224,7 @@ class PromptCacheLLM(FunctionCallingLLM):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text,
                                                        additional_kwargs=extra), delta=delta)
             else:
-                assert stream.output is not None, "a finished stream holds its output"
-                stats = stream.output.stats()
+                stats = stream.result().stats()
                 calls = _whole(calls)
                 extra = {"tool_calls": calls} if calls else {}
                 content = text.strip() if calls else text
